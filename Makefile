@@ -1,0 +1,33 @@
+# The two commands of the README:
+#   make demo   -> set up .venv, then `paratrain train` (digits CNN, ddp over 2 local processes)
+#   make test   -> set up .venv, then the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint typecheck bench clean
+
+$(BIN)/paratrain: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(BIN)/paratrain
+
+setup: $(BIN)/paratrain
+
+demo: setup
+	$(BIN)/paratrain train $(ARGS)
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+typecheck: setup
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from paratrain.cli import main
+
+sys.exit(main())

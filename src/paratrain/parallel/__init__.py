@@ -1,0 +1,188 @@
+"""Strategy registry and ``paratrain.setup``.
+
+A strategy is a class that registers itself under a name (``@register_strategy("ddp")``). The CLI, the
+planner and the benchmarks all look names up here, so ``--strategy zero3`` means the same thing
+everywhere. ``setup(model, optimizer, strategy=...)`` applies one and returns the wrapped model, the
+optimizer (rebound to the new parameters when the strategy replaces them) and the strategy object, which
+the Trainer asks for everything strategy-specific: gradient-sync suppression during accumulation, global
+gradient-norm clipping, the data-parallel rank/size the sampler uses, and memory accounting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import ConfigError, StrategyConfig
+from paratrain.runtime import Context
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_strategy(name: str, aliases: tuple[str, ...] = ()) -> Callable[[type[Strategy]], type[Strategy]]:
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        for a in aliases:
+            _ALIASES[a] = name
+        return cls
+
+    return deco
+
+
+def available_strategies(include_aliases: bool = True) -> list[str]:
+    _load_builtin()
+    names = list(_REGISTRY) + (list(_ALIASES) if include_aliases else [])
+    return sorted(names)
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    _load_builtin()
+    name = _ALIASES.get(name, name)
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown strategy {name!r}. Choose one of: {', '.join(available_strategies())}.")
+    return _REGISTRY[name]
+
+
+class Strategy:
+    """Base class. Subclasses override :meth:`wrap` and whatever else differs from plain replication."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def __init__(self, ctx: Context, config: StrategyConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+
+    # ---- checked in the launching process, before any worker starts ---------------------------------
+    @classmethod
+    def check(cls, world_size: int, config: StrategyConfig) -> None:
+        """Raise :class:`ConfigError` when this strategy cannot run with ``world_size`` and ``config``."""
+
+    @classmethod
+    def data_parallel_size(cls, world_size: int, config: StrategyConfig) -> int:
+        """How many ranks see different data (the global batch is split over these)."""
+        return world_size
+
+    # ---- applied in every worker ---------------------------------------------------------------------
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
+        return model, optimizer
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context in which backward does not synchronise gradients (accumulation micro-steps)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to a global L2 norm. Replicated gradients: the local norm *is* the global norm."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside any wrapper."""
+        return model
+
+
+class Prepared(NamedTuple):
+    model: nn.Module
+    optimizer: Any
+    strategy: Strategy
+
+
+def setup(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    strategy: str = "ddp",
+    ctx: Context | None = None,
+    config: StrategyConfig | None = None,
+    **options: Any,
+) -> Prepared:
+    """Apply a parallel strategy to ``model`` (and rebind ``optimizer``). Returns ``(model, optimizer, strategy)``.
+
+    ``ctx`` defaults to :func:`paratrain.init`'s view of the environment; ``options`` override fields of
+    :class:`~paratrain.config.StrategyConfig` (for example ``bucket_cap_mb=50``).
+    """
+    from paratrain.runtime import init
+
+    if ctx is None:
+        ctx = init(seed=None)
+    cfg = config or StrategyConfig()
+    for key, value in options.items():
+        if not hasattr(cfg, key):
+            raise ConfigError(f"setup(): unknown strategy option {key!r}")
+        setattr(cfg, key, value)
+    cfg.name = strategy
+    cls = get_strategy(strategy)
+    cls.check(ctx.world_size, cfg)
+    strat = cls(ctx, cfg)
+    wrapped, opt = strat.wrap(model, optimizer)
+    return Prepared(wrapped, opt, strat)
+
+
+# ---- measurement helpers shared by all strategies --------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t  # DTensor -> this rank's shard
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def model_state_bytes(model: nn.Module, optimizer: Any) -> int:
+    """Bytes this rank holds for parameters + gradients + optimizer state, counting only local shards.
+
+    Storage shared by several tensors (a gradient that is a view of a DDP bucket) is counted once.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None:
+            return
+        t = _local(t)
+        if t.device.type == "meta":
+            return
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen and t.numel() > 0:
+            return
+        seen.add(key)
+        total += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    if inner is not None:
+        for state in inner.state.values():
+            for t in _tensors(state):
+                add(t)
+    return total
+
+
+def _load_builtin() -> None:
+    from paratrain.parallel import ddp, single  # noqa: F401  (registers)

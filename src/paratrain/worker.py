@@ -1,0 +1,52 @@
+"""Entry point of every training worker: ``python -m paratrain.worker CONFIG_JSON``.
+
+The launcher writes the validated :class:`RunConfig` to a JSON file in the run directory and starts
+this module on every rank under the elastic agent. Rank 0 writes ``summary.json`` at the end; the
+launching process prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from paratrain.config import RunConfig
+from paratrain.data import build_dataset
+from paratrain.launch import record_errors
+from paratrain.models import build_model, count_parameters
+from paratrain.parallel import get_strategy
+from paratrain.runtime import Context, init, shutdown
+from paratrain.train.trainer import Trainer, TrainResult, build_optimizer
+
+
+def train(cfg: RunConfig, ctx: Context, run_dir: Path) -> TrainResult:
+    """Build data, model, optimizer and strategy from ``cfg`` and train on this rank."""
+    data = build_dataset(cfg.data)
+    model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    num_params = count_parameters(model)
+    strategy = get_strategy(cfg.strategy.name)(ctx, cfg.strategy)
+    model = model.to(ctx.device)
+    optimizer = build_optimizer(model, cfg)
+    model, optimizer = strategy.wrap(model, optimizer)
+    trainer = Trainer(cfg, ctx, model, optimizer, strategy, data, num_params, run_dir)
+    return trainer.fit()
+
+
+@record_errors
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    config_path = Path(argv[0])
+    cfg = RunConfig.from_json(config_path.read_text())
+    run_dir = config_path.parent
+    ctx = init(cfg.launch.backend, cfg.launch.device, cfg.launch.timeout_s, cfg.train.seed)
+    try:
+        result = train(cfg, ctx, run_dir)
+        if ctx.is_main:
+            (run_dir / "summary.json").write_text(json.dumps(result.summary()))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
