@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 def dist_run() -> Callable[..., list[Any]]:
     """``dist_run(fn, world_size, *args, timeout_s=60)`` -> per-rank results (Gloo, forkserver)."""
 
-    def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
+    def run(
+        fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0, **kwargs: Any
+    ) -> list[Any]:
         return run_distributed(fn, world_size, args=args, kwargs=kwargs, timeout_s=timeout_s)
 
     return run
@@ -40,13 +42,19 @@ def _restore_env() -> Iterator[None]:
 
 
 def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def run_cli(*args: str, cwd: Path | str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, cwd: Path | str, timeout: float = 120, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m paratrain ARGS`` as a user would; fail with its output when ``check`` and rc != 0."""
     proc = subprocess.run(
         [sys.executable, "-m", "paratrain", *args],
@@ -57,7 +65,9 @@ def run_cli(*args: str, cwd: Path | str, timeout: float = 120, check: bool = Tru
         timeout=timeout,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"paratrain {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        raise AssertionError(
+            f"paratrain {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
     return proc
 
 

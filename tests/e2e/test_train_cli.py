@@ -1,0 +1,172 @@
+"""`paratrain train` run exactly as a user runs it, and bad input rejected before any process starts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import last_json, run_cli
+
+CONTRACT = {
+    "strategy",
+    "world_size",
+    "num_params",
+    "steps",
+    "losses",
+    "final_loss",
+    "eval_accuracy",
+    "samples_per_s",
+    "param_sha256",
+    "param_norm",
+    "model_state_bytes_per_rank",
+    "restarts",
+    "resumed_from_step",
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_default_train_reaches_90_percent_on_digits(tmp_path: Path) -> None:
+    proc = run_cli("train", "--json", cwd=tmp_path)
+    s = last_json(proc.stdout)
+    assert set(s) >= CONTRACT, CONTRACT - set(s)
+    assert s["strategy"] == "ddp" and s["world_size"] == 2
+    assert s["eval_accuracy"] >= 0.9
+    assert len(s["losses"]) == s["steps"] and s["final_loss"] == s["losses"][-1]
+    assert s["losses"][-1] < s["losses"][0] / 5
+    assert s["restarts"] == 0 and s["resumed_from_step"] is None
+    assert s["model_state_bytes_per_rank"] >= 16 * s["num_params"]  # fp32 params + grads + 2 Adam moments
+    # the run directory holds config, metrics and a committed checkpoint
+    run_dir = tmp_path / s["run_dir"]
+    ckpt = tmp_path / s["checkpoint"]
+    assert (ckpt / ".metadata").is_file() and (ckpt / "train_state.json").is_file()
+    assert (ckpt.parent / "latest").read_text().strip() == ckpt.name
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["final"] and metrics[-1]["eval_accuracy"] == s["eval_accuracy"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_human_summary_and_config_file(tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text(
+        '[model]\nname = "mlp"\n[train]\nsteps = 6\nbatch_size = 16\n[strategy]\nname = "single"\n'
+    )
+    proc = run_cli(
+        "train", "--config", "run.toml", "--set", "optimizer.lr=0.01", "--run-dir", "r", cwd=tmp_path
+    )
+    assert "eval accuracy" in proc.stdout and "single x 1" in proc.stdout
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (
+        saved["model"]["name"] == "mlp" and saved["optimizer"]["lr"] == 0.01 and saved["train"]["steps"] == 6
+    )
+
+
+def _assert_rejected_fast(tmp_path: Path, *args: str, needle: str) -> None:
+    t0 = time.monotonic()
+    proc = run_cli("train", *args, cwd=tmp_path, check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") <= 3, "one clear message, not a traceback"
+    assert not (tmp_path / "runs").exists(), "nothing may start (or be written) for a bad input"
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--strategy", "ddpp"), "unknown strategy 'ddpp'. Choose one of"),
+        (("--model", "gpt7"), "model.name='gpt7' is not valid"),
+        (("--data", "imagenet"), "data.name='imagenet' is not valid"),
+        (("--batch-size", "0"), "train.batch_size must be positive"),
+        (("--batch-size", "-4"), "train.batch_size must be positive"),
+        (("--batch-size", "63"), "not divisible by data-parallel size 2"),
+        (("--precision", "fp16", "--device", "cpu"), "fp16 needs a CUDA GPU"),
+        (("--set", "train.stepz=3"), "unknown key train.stepz"),
+        (("--model", "cnn", "--data", "synthetic-regression"), "image inputs"),
+    ],
+)
+def test_bad_input_fails_before_start(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
+    _assert_rejected_fast(tmp_path, *args, needle=needle)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_busy_explicit_port_is_rejected(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _assert_rejected_fast(
+            tmp_path, "--master-port", str(port), needle=f"port {port} on 127.0.0.1 is already in use"
+        )
+
+
+@pytest.mark.e2e
+@pytest.mark.cuda
+@pytest.mark.timeout(60)
+def test_more_processes_than_gpus_is_rejected(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA machine: on CPU there is no GPU count to exceed")
+    n = torch.cuda.device_count() + 1
+    _assert_rejected_fast(tmp_path, "--nproc-per-node", str(n), needle="start at most one process per GPU")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_failing_worker_is_reported_by_rank(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import os, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise ValueError('bad shard 17')\n"
+        "time.sleep(2)\n"
+    )
+    # a plain script (no error file): the exit of rank 1 is the root cause, not rank 0's SIGTERM from the agent
+    proc = run_cli("launch", "--nproc-per-node", "2", str(script), cwd=tmp_path, check=False)
+    assert proc.returncode == 1
+    assert "rank 1 failed (exit code 1)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_worker_error_file_gives_message_and_frame(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import os\n"
+        "from paratrain.launch import record_errors\n"
+        "@record_errors\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ValueError('bad shard 17')\n"
+        "main()\n"
+    )
+    proc = run_cli("launch", "--nproc-per-node", "2", str(script), cwd=tmp_path, check=False)
+    assert proc.returncode == 1
+    report = proc.stderr[proc.stderr.index("paratrain launch: ") :]
+    assert "rank 1 failed (exit code 1): ValueError: bad shard 17" in report, proc.stderr
+    assert 'boom.py", line 6, in main' in report
+    assert "Traceback" not in proc.stderr  # one line per failing rank, not a wall of tracebacks
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_checkpoint_dir_that_is_a_file_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "notadir").write_text("x")
+    _assert_rejected_fast(tmp_path, "--ckpt-dir", "notadir", needle="exists and is not a directory")
+
+
+def test_help_lists_commands(tmp_path: Path) -> None:
+    proc = run_cli("--help", cwd=tmp_path)
+    for cmd in ("train", "launch", "strategies", "bench"):
+        assert cmd in proc.stdout
+    proc = run_cli("strategies", "--json", cwd=tmp_path)
+    names = set(json.loads(proc.stdout))
+    assert {"single", "ddp"} <= names
