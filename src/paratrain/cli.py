@@ -24,6 +24,9 @@ _TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "batch_size": ("train.batch_size", int),
     "grad_accum": ("train.grad_accum", int),
     "precision": ("train.precision", str),
+    "sync_batchnorm": ("train.sync_batchnorm", bool),
+    "activation_checkpointing": ("train.activation_checkpointing", bool),
+    "comm_algorithm": ("strategy.comm_algorithm", str),
     "lr": ("optimizer.lr", float),
     "optimizer": ("optimizer.name", str),
     "seed": ("train.seed", int),
@@ -50,6 +53,23 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="GLOBAL batch size, summed over ranks (default 64)")
     p.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="numeric precision (default fp32)")
+    p.add_argument(
+        "--sync-batchnorm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SyncBatchNorm across data-parallel ranks (default: on for BatchNorm models when the per-rank batch < 16)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each model block's activations in backward (less memory, more compute)",
+    )
+    p.add_argument(
+        "--comm-algorithm",
+        choices=["native", "ring", "tree", "naive", "rhd"],
+        help="all-reduce of --strategy dp (default native)",
+    )
     p.add_argument("--lr", type=float, help="learning rate")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], help="optimizer (default adamw)")
     p.add_argument("--seed", type=int, help="seed for every RNG (default 0)")
@@ -114,9 +134,13 @@ def preflight(cfg: RunConfig) -> int:
         raise ConfigError("the per-rank micro-batch would be empty; raise --batch-size or lower --grad-accum")
     try:
         with torch.device("meta"):
-            build_model(cfg.model, data.input_shape, data.num_outputs)
+            meta_model = build_model(cfg.model, data.input_shape, data.num_outputs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    from paratrain.train.features import preflight_features
+
+    for warning in preflight_features(cfg, meta_model):
+        print(f"paratrain: warning: {warning}", file=sys.stderr)
     return world
 
 

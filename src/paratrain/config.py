@@ -167,6 +167,12 @@ class TrainConfig:
     """Where metrics and checkpoints go. Default: ``runs/<time>-<strategy>``."""
     progress: bool | None = None
     """Progress bar on rank 0. ``None``: only when stderr is a terminal."""
+    sync_batchnorm: bool | None = None
+    """Convert BatchNorm to SyncBatchNorm before wrapping. ``None``: on when the model has BatchNorm, there
+    is more than one data-parallel rank and the per-rank micro-batch is smaller than 16."""
+    activation_checkpointing: bool = False
+    """Recompute each of ``model.blocks`` in backward instead of keeping its activations."""
+
 
     def __post_init__(self) -> None:
         _check_positive("train", "batch_size", self.batch_size)
@@ -320,6 +326,14 @@ class RunConfig:
         _check_choice("data", "name", self.data.name, available_datasets())
         dp = data_parallel_size if data_parallel_size is not None else world_size
         per_step = dp * self.train.grad_accum
+        if self.train.batch_size % dp == 0 and self.train.batch_size % per_step != 0:
+            per_rank, k = self.train.batch_size // dp, self.train.grad_accum
+            raise ConfigError(
+                f"--grad-accum {k} does not divide the per-rank batch {per_rank} (global batch "
+                f"{self.train.batch_size} / {dp} data-parallel ranks): each micro-batch must hold the same "
+                f"number of samples. Use a --grad-accum that divides {per_rank}, or a --batch-size that is a "
+                f"multiple of {per_step}."
+            )
         if self.train.batch_size % per_step != 0:
             raise ConfigError(
                 f"train.batch_size={self.train.batch_size} (global) is not divisible by data-parallel size "

@@ -20,17 +20,27 @@ from paratrain.runtime import Context, init, shutdown
 from paratrain.train.trainer import Trainer, TrainResult, build_optimizer
 
 
-def train(cfg: RunConfig, ctx: Context, run_dir: Path) -> TrainResult:
-    """Build data, model, optimizer and strategy from ``cfg`` and train on this rank."""
+def build_trainer(cfg: RunConfig, ctx: Context, run_dir: Path) -> Trainer:
+    """Build data, model, optimizer and strategy from ``cfg``: everything :meth:`Trainer.fit` needs."""
+    from paratrain.runtime import get_logger
+    from paratrain.train.features import apply_model_features
+
     data = build_dataset(cfg.data)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     num_params = count_parameters(model)
     strategy = get_strategy(cfg.strategy.name)(ctx, cfg.strategy)
+    # Model transforms (SyncBatchNorm, activation checkpointing) come before wrapping: wrappers register
+    # hooks on the modules and parameters they see at wrap time.
+    model = apply_model_features(model, cfg, strategy.dp_size, get_logger(ctx))
     model = model.to(ctx.device)
     optimizer = build_optimizer(model, cfg)
     model, optimizer = strategy.wrap(model, optimizer)
-    trainer = Trainer(cfg, ctx, model, optimizer, strategy, data, num_params, run_dir)
-    return trainer.fit()
+    return Trainer(cfg, ctx, model, optimizer, strategy, data, num_params, run_dir)
+
+
+def train(cfg: RunConfig, ctx: Context, run_dir: Path) -> TrainResult:
+    """Build everything from ``cfg`` and train on this rank."""
+    return build_trainer(cfg, ctx, run_dir).fit()
 
 
 @record_errors

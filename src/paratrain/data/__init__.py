@@ -82,4 +82,4 @@ def split_indices(n: int, test_fraction: float, seed: int = 1234) -> tuple[torch
 
 
 def _load_builtin() -> None:
-    from paratrain.data import digits, synthetic  # noqa: F401  (registers)
+    from paratrain.data import cifar, digits, mnist, synthetic  # noqa: F401  (registers)

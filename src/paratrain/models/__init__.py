@@ -39,4 +39,4 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def _load_builtin() -> None:
-    from paratrain.models import cnn, mlp  # noqa: F401  (registers)
+    from paratrain.models import cnn, mlp, resnet  # noqa: F401  (registers)

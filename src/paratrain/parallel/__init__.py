@@ -185,4 +185,4 @@ def model_state_bytes(model: nn.Module, optimizer: Any) -> int:
 
 
 def _load_builtin() -> None:
-    from paratrain.parallel import ddp, single  # noqa: F401  (registers)
+    from paratrain.parallel import ddp, dp, single  # noqa: F401  (registers)

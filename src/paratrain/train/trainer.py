@@ -89,9 +89,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_step
 
 def canonical_name(name: str) -> str:
     """Parameter name without wrapper prefixes (DDP ``module.``, compile, activation checkpointing)."""
-    for prefix in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+    # Whole dotted components only: a substring replace of "module." would also cut the tail of
+    # "_checkpoint_wrapped_module." (leaving "_checkpoint_wrapped_"). DDP's "module" is only ever first.
+    parts = name.split(".")
+    if parts and parts[0] == "module":
+        parts = parts[1:]
+    wrappers = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+    return ".".join(p for p in parts if p not in wrappers)
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,113 @@
+"""Training features on N Gloo ranks vs an independent single-process reference: SyncBatchNorm (module and
+whole-run), activation checkpointing, gradient clipping, evaluation split across ranks, bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.dist._reference import assert_matches, make_cfg, reference, train_cases
+from tests.dist.test_dp import HAVE_COMM
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None),  # cumulative average variant too
+    )  # fmt: skip
+
+
+def _global_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(8, 3, 5, 5, generator=g) * 2 + 1, torch.randn(8, 4, 5, 5, generator=g)
+
+
+def _sync_bn_rank() -> dict[str, Any]:
+    from paratrain.train.features import convert_sync_batchnorm
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    net = convert_sync_batchnorm(_bn_net())
+    x, g = _global_inputs()
+    n = x.shape[0] // w
+    xr = x[r * n : (r + 1) * n].clone().requires_grad_(True)
+    out = None
+    for _ in range(2):  # two steps: running statistics accumulate
+        out = net(xr)
+        (out * g[r * n : (r + 1) * n]).sum().backward()
+    grads = {k: p.grad.clone() for k, p in net.named_parameters()}
+    for t in grads.values():
+        dist.all_reduce(t)  # the sum over ranks of each rank's contribution = the full-batch gradient
+    return {"out": out.detach(), "xgrad": xr.grad, "grads": grads, "buffers": dict(net.named_buffers())}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sync_batchnorm_matches_batchnorm_on_full_batch(dist_run: Any, world_size: int) -> None:
+    res = dist_run(_sync_bn_rank, world_size, timeout_s=50)
+    ref = _bn_net()
+    x, g = _global_inputs()
+    x.requires_grad_(True)
+    for _ in range(2):
+        out = ref(x)
+        (out * g).sum().backward()
+    n = 8 // world_size
+    for r, got in enumerate(res):
+        sl = slice(r * n, (r + 1) * n)
+        assert torch.allclose(got["out"], out[sl].detach(), atol=1e-5)
+        assert torch.allclose(got["xgrad"], x.grad[sl], atol=1e-5)
+        for k, p in ref.named_parameters():
+            assert torch.allclose(got["grads"][k], p.grad, atol=1e-4), k
+        for k, b in ref.named_buffers():
+            assert torch.allclose(got["buffers"][k].float(), b.float(), atol=1e-5), k
+
+
+DIGITS = ["data.name=digits", "train.steps=3", "train.batch_size=16", "optimizer.name=sgd", "optimizer.lr=0.05"]
+CNN_BN = [*DIGITS, "model.name=cnn", "model.channels=4", "model.batchnorm=true"]
+CASES: dict[str, list[str]] = {
+    # per-rank batch 8 < 16: SyncBatchNorm is chosen automatically
+    "cnn-bn/ddp": [*CNN_BN, "strategy.name=ddp"],
+    # ring (when paratrain.comm is there): background-thread p2p on dp's own group while SyncBatchNorm
+    # all-reduces on the main thread
+    "cnn-bn/dp": [*CNN_BN, "strategy.name=dp", f"strategy.comm_algorithm={'ring' if HAVE_COMM else 'native'}"],
+    # activation checkpointing of every residual block, with SyncBatchNorm and global-norm clipping
+    "resnet/dp/ac/clip": [
+        *DIGITS, "model.name=resnet18", "model.channels=4", "strategy.name=dp",
+        "train.activation_checkpointing=true", "optimizer.grad_clip=0.05",
+    ],
+    "mlp/ddp/clip": [*DIGITS, "model.name=mlp", "model.hidden=16", "strategy.name=ddp", "optimizer.grad_clip=0.05"],
+    # local BatchNorm: must differ from the full-batch reference (shows the test can see the difference)
+    "cnn-bn/ddp/no-sync": [*CNN_BN, "strategy.name=ddp", "train.sync_batchnorm=false"],
+    "mlp/ddp/bf16": [*DIGITS, "model.name=mlp", "model.hidden=16", "strategy.name=ddp", "train.precision=bf16"],
+}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_features_match_single_process(dist_run: Any, tmp_path: Path) -> None:
+    results = dist_run(train_cases, 2, list(CASES.values()), str(tmp_path), timeout_s=220)
+    got = dict(zip(CASES, results[0], strict=True))
+    n_test = 360  # digits: 20% of 1797
+    for name in ("cnn-bn/ddp", "cnn-bn/dp", "resnet/dp/ac/clip", "mlp/ddp/clip"):
+        overrides = [o for o in CASES[name] if "activation_checkpointing" not in o]
+        ref = reference(make_cfg(*overrides))  # plain BatchNorm on the full batch, no checkpointing
+        assert_matches(got[name], ref, name)
+        if name.startswith(("cnn-bn", "resnet")):  # running statistics: SyncBN's, updated once per step
+            for k, b in ref["buffers"].items():
+                assert torch.allclose(got[name]["buffers"][k].float(), b.float(), atol=1e-5), f"{name}: buffer {k}"
+        # evaluation split across ranks (360 samples, padded to 2 x 180): exact totals
+        assert abs(got[name]["eval_accuracy"] - ref["eval_accuracy"]) <= 1.0 / n_test + 1e-9, name
+    unclipped = reference(make_cfg(*[o for o in CASES["mlp/ddp/clip"] if "grad_clip" not in o]))
+    assert abs(unclipped["losses"][-1] - got["mlp/ddp/clip"]["losses"][-1]) > 1e-4  # clipping was active
+    local_bn = got["cnn-bn/ddp/no-sync"]
+    ref = reference(make_cfg(*CASES["cnn-bn/ddp"]))
+    assert abs(local_bn["losses"][1] - ref["losses"][1]) > 1e-4  # per-rank statistics differ from the batch's
+    bf16 = got["mlp/ddp/bf16"]["losses"]
+    fp32 = reference(make_cfg(*[o for o in CASES["mlp/ddp/bf16"] if "precision" not in o]))["losses"]
+    assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(bf16, fp32, strict=True)) and bf16 != fp32
