@@ -108,10 +108,30 @@ class StrategyConfig:
     """``ddp``: look for parameters that got no gradient. Off by default: it costs a graph walk per step."""
     comm_algorithm: str = "native"
     """All-reduce used by ``dp``: ``native``, ``ring``, ``tree``, ``naive``, ``rhd``."""
+    shard_size: int | None = None
+    """``hsdp``: ranks per shard group (sharded within a group, replicated across groups); must divide the
+    world size. Default: half the world size. Only ``hsdp`` takes it."""
+    offload: bool = False
+    """``zero3``/``hsdp``: keep parameters, gradients and optimizer state on the CPU (FSDP2
+    ``CPUOffloadPolicy``); the optimizer steps on the CPU."""
+    mixed_precision: str = "fp32"
+    """``zero3``/``hsdp``: ``fp32``, or ``bf16`` (bf16 parameters for compute and bf16 gradient reduction,
+    fp32 sharded master weights and optimizer state; FSDP2 ``MixedPrecisionPolicy``)."""
+    shard_units: str = "blocks"
+    """``zero3``/``hsdp``: modules wrapped as their own shard unit before the root: ``blocks`` (each of
+    ``model.blocks``), ``root`` (only the whole model), or comma-separated submodule names (``blocks.0,head``)."""
 
     def __post_init__(self) -> None:
         _check_positive("strategy", "bucket_cap_mb", self.bucket_cap_mb)
-        _check_choice("strategy", "comm_algorithm", self.comm_algorithm, ["native", "ring", "tree", "naive", "rhd"])
+        _check_positive("strategy", "shard_size", self.shard_size, allow_none=True)
+        _check_choice("strategy", "mixed_precision", self.mixed_precision, ["fp32", "bf16"])
+        if not self.shard_units.strip():
+            raise ConfigError(
+                "strategy.shard_units is empty: use blocks, root, or module names like blocks.0,head"
+            )
+        _check_choice(
+            "strategy", "comm_algorithm", self.comm_algorithm, ["native", "ring", "tree", "naive", "rhd"]
+        )
 
 
 @dataclass
@@ -173,7 +193,6 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each of ``model.blocks`` in backward instead of keeping its activations."""
 
-
     def __post_init__(self) -> None:
         _check_positive("train", "batch_size", self.batch_size)
         _check_positive("train", "steps", self.steps, allow_none=True)
@@ -199,11 +218,15 @@ class CheckpointConfig:
     """``auto``: load ``DIR/latest`` when present; ``never``: start fresh; or a path to a step directory."""
     keep_last: int | None = None
     """Keep only the newest K committed checkpoints (``None``: keep all)."""
+    async_save: bool = False
+    """Write checkpoints in the background (DCP ``async_save``): training blocks only to copy state to CPU."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every must be >= 0, got {self.every!r}.")
         _check_positive("checkpoint", "keep_last", self.keep_last, allow_none=True)
+        if self.resume.strip() == "":
+            raise ConfigError("checkpoint.resume is empty: use auto, never, or the path of a step directory.")
 
 
 @dataclass
@@ -230,9 +253,16 @@ class LaunchConfig:
     """Process-group timeout: a collective waiting longer than this fails, naming what it waited for."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    fail_at_step: int | None = None
+    """Fault injection: rank ``fail_rank`` SIGKILLs itself after this optimizer step, on the first attempt only."""
+    fail_rank: int = 0
+    """The rank that ``fail_at_step`` kills."""
 
     def __post_init__(self) -> None:
         _check_positive("launch", "nproc_per_node", self.nproc_per_node, allow_none=True)
+        _check_positive("launch", "fail_at_step", self.fail_at_step, allow_none=True)
+        if self.fail_rank < 0:
+            raise ConfigError(f"launch.fail_rank must be >= 0, got {self.fail_rank!r}.")
         _check_choice("launch", "backend", self.backend, ["auto", "gloo", "nccl"])
         _check_choice("launch", "device", self.device, ["auto", "cpu", "cuda"])
         _check_positive("launch", "timeout_s", self.timeout_s)
@@ -267,7 +297,9 @@ class RunConfig:
         kwargs: dict[str, Any] = {}
         for sec_name, values in data.items():
             if sec_name not in sections:
-                raise ConfigError(f"{source}: unknown section [{sec_name}]. {_suggest(sec_name, list(sections))}")
+                raise ConfigError(
+                    f"{source}: unknown section [{sec_name}]. {_suggest(sec_name, list(sections))}"
+                )
             if not isinstance(values, Mapping):
                 raise ConfigError(f"{source}: [{sec_name}] must be a table of key = value pairs.")
             sec_cls = _section_class(sec_name)
@@ -278,7 +310,9 @@ class RunConfig:
     def from_toml(cls, path: str | Path) -> RunConfig:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist. Pass an existing TOML file to --config.")
+            raise ConfigError(
+                f"config file {str(p)!r} does not exist. Pass an existing TOML file to --config."
+            )
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -422,7 +456,11 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
     low = raw.lower()
     if low in ("none", "null") and type(None) in get_args(tp):
         return None
-    base = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (typing.Union, types.UnionType) else [tp]
+    base = (
+        [a for a in get_args(tp) if a is not type(None)]
+        if get_origin(tp) in (typing.Union, types.UnionType)
+        else [tp]
+    )
     last_err: str = ""
     for arg in base:
         try:

@@ -46,7 +46,9 @@ def get_strategy(name: str) -> type[Strategy]:
     _load_builtin()
     name = _ALIASES.get(name, name)
     if name not in _REGISTRY:
-        raise ConfigError(f"unknown strategy {name!r}. Choose one of: {', '.join(available_strategies())}.")
+        from paratrain.config import _suggest
+
+        raise ConfigError(f"unknown strategy {name!r}. {_suggest(name, available_strategies())}")
     return _REGISTRY[name]
 
 
@@ -55,6 +57,12 @@ class Strategy:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    supports_offload: ClassVar[bool] = False
+    """Accepts ``strategy.offload`` (``--offload``)."""
+    supports_mixed_precision: ClassVar[bool] = False
+    """Accepts ``strategy.mixed_precision`` other than ``fp32``."""
+    uses_shard_size: ClassVar[bool] = False
+    """Accepts ``strategy.shard_size`` (``--shard-size``)."""
 
     def __init__(self, ctx: Context, config: StrategyConfig) -> None:
         self.ctx = ctx
@@ -129,10 +137,95 @@ def setup(
         setattr(cfg, key, value)
     cfg.name = strategy
     cls = get_strategy(strategy)
-    cls.check(ctx.world_size, cfg)
+    check_strategy(cls, ctx.world_size, cfg)
     strat = cls(ctx, cfg)
     wrapped, opt = strat.wrap(model, optimizer)
     return Prepared(wrapped, opt, strat)
+
+
+def check_strategy(cls: type[Strategy], world_size: int, config: StrategyConfig) -> None:
+    """Options every strategy must refuse unless it declares support, then the strategy's own ``check``."""
+    if config.offload and not cls.supports_offload:
+        able = sorted(n for n, c in _REGISTRY.items() if c.supports_offload)
+        raise ConfigError(
+            f"--offload (strategy.offload) does not work with strategy {cls.name!r}: it keeps full model "
+            f"state on the device. Strategies that can offload: {', '.join(able)}."
+        )
+    if config.mixed_precision != "fp32" and not cls.supports_mixed_precision:
+        able = sorted(n for n, c in _REGISTRY.items() if c.supports_mixed_precision)
+        raise ConfigError(
+            f"strategy.mixed_precision={config.mixed_precision!r} is FSDP2's policy and needs one of "
+            f"{', '.join(able)}; with {cls.name!r} use --precision bf16 (autocast) instead."
+        )
+    if config.shard_size is not None and not cls.uses_shard_size:
+        raise ConfigError(
+            f"--shard-size (strategy.shard_size) applies to hsdp only, not {cls.name!r}. "
+            "Use --strategy hsdp --shard-size N, or leave --shard-size out."
+        )
+    cls.check(world_size, config)
+
+
+# ---- optimizer rebinding: parameters matched by name -------------------------------------------------
+def clone_optimizer(
+    optimizer: torch.optim.Optimizer, param_groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class over ``param_groups`` (each group carries its options).
+
+    Constructor keywords are taken from ``optimizer.defaults`` where the constructor accepts them, so
+    ``AdamW``, ``SGD`` and most third-party optimizers are rebuilt with the same settings.
+    """
+    import inspect
+
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls(param_groups, **kwargs)
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer | None, names: dict[int, str], model: nn.Module
+) -> torch.optim.Optimizer | None:
+    """Rebuild ``optimizer`` over ``model``'s current parameters after a strategy replaced them.
+
+    ``names`` maps ``id(old_param)`` to its name, taken *before* wrapping (:func:`parameter_names`). Each
+    parameter is matched by name (wrapper prefixes ignored), so the order FSDP registers its sharded
+    parameters in does not matter; every param group keeps its options (lr, weight decay, ...).
+    """
+    if optimizer is None:
+        return None
+    current = {_canonical(n): p for n, p in model.named_parameters()}
+    groups, changed = [], False
+    for g in optimizer.param_groups:
+        params = []
+        for p in g["params"]:
+            name = names.get(id(p))
+            if name is None or name not in current:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not in the model given to setup(); create the "
+                    "optimizer over model.parameters() (or named groups of them)"
+                )
+            params.append(current[name])
+            changed |= current[name] is not p
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    if not changed:
+        return optimizer
+    if optimizer.state:
+        raise ValueError(
+            "setup(): the optimizer has already stepped; its state cannot follow re-sharded parameters. "
+            "Create the optimizer, call setup(), then train (or load a checkpoint after setup())."
+        )
+    return clone_optimizer(optimizer, groups)
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(param) -> name`` (wrapper prefixes removed), to hand to :func:`rebind_optimizer` after wrapping."""
+    return {id(p): _canonical(n) for n, p in model.named_parameters()}
+
+
+def _canonical(name: str) -> str:
+    for prefix in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
 
 
 # ---- measurement helpers shared by all strategies --------------------------------------------------------
@@ -181,8 +274,13 @@ def model_state_bytes(model: nn.Module, optimizer: Any) -> int:
         for state in inner.state.values():
             for t in _tensors(state):
                 add(t)
+        for (
+            group
+        ) in inner.param_groups:  # zero2 keeps reduced gradient shards on the inner optimizer's params
+            for p in group["params"]:
+                add(p.grad)
     return total
 
 
 def _load_builtin() -> None:
-    from paratrain.parallel import ddp, dp, single  # noqa: F401  (registers)
+    from paratrain.parallel import ddp, dp, hsdp, single, zero  # noqa: F401  (registers)

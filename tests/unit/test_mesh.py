@@ -1,0 +1,103 @@
+"""Topology validation, the DeviceMesh built from it (on PyTorch's fake process group), and the sharded
+strategies' checks, which run in the launching process before any worker starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from paratrain.config import ConfigError, StrategyConfig
+from paratrain.parallel import check_strategy, get_strategy
+from paratrain.parallel.mesh import Topology
+
+
+def test_product_must_equal_world_size_and_message_prints_every_factor() -> None:
+    with pytest.raises(ConfigError) as e:
+        Topology(8, replicate=3, shard=2)
+    msg = str(e.value)
+    for part in ("pp 1", "replicate 3", "shard 2", "tp 1", "= 6", "world size is 8"):
+        assert part in msg
+    with pytest.raises(ConfigError, match="positive integer"):
+        Topology(4, shard=0)
+
+
+def test_infer_fills_the_free_degree() -> None:
+    t = Topology.infer(16, replicate=2, tp=2)
+    assert (t.pp, t.replicate, t.shard, t.tp) == (1, 2, 4, 2)
+    assert t.dp_size == 8
+    assert t.describe() == "pp 1 x replicate 2 x shard 4 x tp 2 = 16 ranks"
+    with pytest.raises(ConfigError, match="does not divide the world size 6"):
+        Topology.infer(6, tp=4)
+    with pytest.raises(ConfigError, match="at most one"):
+        Topology.infer(8, shard=-1, tp=-1)
+
+
+def test_coordinates_are_row_major_with_tp_innermost() -> None:
+    t = Topology(8, replicate=2, shard=2, tp=2)
+    assert t.coordinates(0) == {"pp": 0, "replicate": 0, "shard": 0, "tp": 0}
+    assert t.coordinates(1) == {"pp": 0, "replicate": 0, "shard": 0, "tp": 1}
+    assert t.coordinates(6) == {"pp": 0, "replicate": 1, "shard": 1, "tp": 0}
+    with pytest.raises(ValueError):
+        t.coordinates(8)
+
+
+@pytest.fixture
+def fake_world() -> Iterator[int]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = 16
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=world)
+    yield world
+    dist.destroy_process_group()
+
+
+def test_build_mesh_on_a_large_fake_world(fake_world: int) -> None:
+    t = Topology(fake_world, replicate=2, shard=4, tp=2)
+    mesh = t.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    assert tuple(mesh.shape) == (2, 4, 2)
+    # rank 5 = replicate 0, shard 2, tp 1: its shard group is the ranks that differ only along "shard"
+    assert t.coordinates(5) == {"pp": 0, "replicate": 0, "shard": 2, "tp": 1}
+    assert mesh["shard"].mesh.tolist() == [1, 3, 5, 7]
+    assert mesh["replicate"].mesh.tolist() == [5, 13]
+    hsdp = Topology(fake_world, replicate=1, shard=16).build_mesh("cpu", ("replicate", "shard"))
+    assert hsdp.mesh_dim_names == ("replicate", "shard") and tuple(hsdp.shape) == (1, 16)
+    with pytest.raises(ValueError, match="must be part of the mesh"):
+        t.build_mesh("cpu", ("shard", "tp"))
+
+
+def _cfg(**kw: object) -> StrategyConfig:
+    return StrategyConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_shard_size_must_divide_world_size() -> None:
+    hsdp = get_strategy("hsdp")
+    with pytest.raises(ConfigError, match=r"--shard-size 3 does not divide the world size 4.*1, 2, 4"):
+        check_strategy(hsdp, 4, _cfg(name="hsdp", shard_size=3))
+    with pytest.raises(ConfigError, match="does not divide"):
+        check_strategy(hsdp, 4, _cfg(name="hsdp", shard_size=8))
+    check_strategy(hsdp, 8, _cfg(name="hsdp", shard_size=4))
+    assert hsdp.topology(8, _cfg(name="hsdp")).degrees() == {"pp": 1, "replicate": 2, "shard": 4, "tp": 1}
+
+
+def test_hsdp_needs_two_ranks() -> None:
+    with pytest.raises(ConfigError, match="hsdp needs at least 2 ranks.*world size is 1"):
+        check_strategy(get_strategy("hsdp"), 1, _cfg(name="hsdp"))
+
+
+@pytest.mark.parametrize("name", ["ddp", "single", "zero1", "zero2"])
+def test_offload_only_with_strategies_that_can(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--offload .* strategy '{name}'.*can offload: hsdp, zero3"):
+        check_strategy(get_strategy(name), 2, _cfg(name=name, offload=True))
+
+
+def test_other_sharding_options_are_refused_where_they_do_not_apply() -> None:
+    with pytest.raises(ConfigError, match="applies to hsdp only"):
+        check_strategy(get_strategy("zero3"), 4, _cfg(name="zero3", shard_size=2))
+    with pytest.raises(ConfigError, match="--precision bf16"):
+        check_strategy(get_strategy("zero2"), 4, _cfg(name="zero2", mixed_precision="bf16"))
+    check_strategy(get_strategy("fsdp"), 4, _cfg(name="fsdp", offload=True, mixed_precision="bf16"))
+    with pytest.raises(ConfigError, match="mixed_precision"):
+        StrategyConfig(mixed_precision="fp8")
