@@ -83,12 +83,77 @@ def preflight(launch: LaunchConfig) -> None:
         )
     if launch.device == "cuda" and gpus == 0:
         raise ConfigError("launch.device='cuda' but no CUDA GPU is visible. Use --set launch.device=cpu.")
-    if launch.master_port is not None and launch.rdzv_endpoint is None:
-        if port_in_use("127.0.0.1", launch.master_port):
-            raise ConfigError(
-                f"port {launch.master_port} on 127.0.0.1 is already in use (another job?). Pick another "
-                "--master-port, or leave it out and paratrain picks a free port."
-            )
+    explicit_port = launch.master_port is not None and launch.rdzv_endpoint is None
+    if explicit_port and port_in_use("127.0.0.1", launch.master_port):  # type: ignore[arg-type]
+        raise ConfigError(
+            f"port {launch.master_port} on 127.0.0.1 is already in use (another job?). Pick another "
+            "--master-port, or leave it out and paratrain picks a free port."
+        )
+
+
+LOOPBACK_BACKEND = "paratrain-loopback"
+
+
+def _create_loopback_handler(params: Any) -> Any:
+    """The c10d rendezvous of a single-node job, with its TCPStore listening on 127.0.0.1 only.
+
+    ``TCPStore(host, ...)`` listens on *every* interface whatever ``host`` says (verified on torch 2.13 with
+    ``ss -ltn``: ``*:PORT``), so a standalone job would expose its store to the network. Here paratrain binds
+    the listening socket itself to ``127.0.0.1`` and hands it to the store (``master_listen_fd``); the rest is
+    torch's own dynamic rendezvous handler.
+    """
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    def loopback_store(port: int) -> TCPStore:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # port 0: the kernel picks a free port atomically
+        sock.listen(512)
+        return TCPStore(
+            "127.0.0.1",
+            sock.getsockname()[1],
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),  # the store owns the descriptor from now on
+            timeout=datetime.timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60)),
+        )
+
+    store = loopback_store(int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0)
+    class _LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:
+            return LOOPBACK_BACKEND
+
+    handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
+    # The handler starts a second store for the workers (TCPStore sharing); it must be loopback-only too.
+    handler._create_tcp_store_server = lambda addr, port: loopback_store(port)
+    return handler
+
+
+def _register_loopback_backend() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    try:
+        registry.register(LOOPBACK_BACKEND, _create_loopback_handler)
+    except ValueError:
+        pass  # already registered in this process
+
+
+def resolve(launch: LaunchConfig) -> LaunchConfig:
+    """``launch`` with what the environment implies filled in: inside a multi-node Slurm allocation, the
+    node count, node rank, rendezvous endpoint and id (explicit flags win)."""
+    from paratrain import slurm
+
+    return slurm.apply(launch)
+
+
+def is_standalone(launch: LaunchConfig) -> bool:
+    return launch.rdzv_endpoint is None and launch.nnodes == "1"
 
 
 def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
@@ -96,36 +161,84 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
 
     parts = launch.nnodes.split(":")
     min_nodes, max_nodes = int(parts[0]), int(parts[-1])
+    rdzv_configs: dict[str, Any] = {"timeout": int(max(60, launch.timeout_s))}
     if launch.rdzv_endpoint:
+        # Multi-node: torch's c10d rendezvous. The store host listens on all interfaces (it must be reachable
+        # from the other nodes): run it on a private network only (docs/launch.md).
         endpoint = launch.rdzv_endpoint
         run_id = launch.rdzv_id or os.environ.get("SLURM_JOB_ID") or "paratrain"
+        backend = launch.rdzv_backend
+        rdzv_configs["rank"] = launch.node_rank  # as torchrun passes it (used by static rendezvous)
+        host = endpoint.rsplit(":", 1)[0]
+        if host in ("127.0.0.1", "localhost") and backend == "c10d":
+            rdzv_configs["is_host"] = launch.node_rank == 0  # several agents on one machine: node 0 hosts
+        local_addr = "127.0.0.1" if host in ("127.0.0.1", "localhost") else None
     else:
-        # Standalone: bind the c10d store to loopback; port 0 lets the OS pick a free one atomically.
+        if max_nodes > 1:
+            raise ConfigError(
+                f"--nnodes {launch.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node), or run "
+                "inside a Slurm allocation, where it is filled in."
+            )
+        # Standalone: a store on 127.0.0.1 only; port 0 lets the OS pick a free one atomically.
         port = launch.master_port if launch.master_port is not None else 0
         endpoint = f"127.0.0.1:{port}"
         run_id = launch.rdzv_id or str(uuid.uuid4())
-    rdzv_configs: dict[str, Any] = {"timeout": int(max(60, launch.timeout_s))}
-    if max_nodes == 1 and not launch.rdzv_endpoint:
-        rdzv_configs["is_host"] = True
+        backend = LOOPBACK_BACKEND if launch.rdzv_backend == "c10d" else launch.rdzv_backend
+        _register_loopback_backend()
+        local_addr = "127.0.0.1"
     return ElasticLaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc,
         run_id=run_id,
         rdzv_endpoint=endpoint,
-        rdzv_backend=launch.rdzv_backend,
+        rdzv_backend=backend,
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        local_addr="127.0.0.1" if not launch.rdzv_endpoint else None,
+        local_addr=local_addr,
     )
 
 
-def _worker_env(nproc: int) -> None:
+def _worker_env(nproc: int, standalone: bool = False) -> None:
     # Two ranks each spinning up one OpenMP thread per core would oversubscribe a small CPU machine.
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if standalone and sys.platform.startswith("linux"):
+        # Gloo and NCCL pick their listening interface from the hostname, which usually resolves to a
+        # network address; a single-node job has no reason to listen there. Explicit settings win.
+        lo = next((name for _, name in socket.if_nameindex() if name == "lo"), None)
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+def _forward_to_children(signum: int, frame: Any) -> None:
+    """SIGUSR1 in the agent: pass it on to the workers (each in its own session), which checkpoint and stop.
+
+    The elastic agent handles SIGTERM itself (it forwards SIGTERM, waits 30 s, then SIGKILLs), but not
+    SIGUSR1, whose default action would kill the agent and orphan the workers.
+    """
+    for pid in _child_pids(os.getpid()):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _child_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    task_dir = f"/proc/{pid}/task"
+    if not os.path.isdir(task_dir):
+        return out
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
 
 
 def _describe_exit(code: int) -> str:
@@ -146,10 +259,24 @@ def _failures(err: Any) -> list[RankFailure]:
             tb = (data.get("extraInfo") or {}).get("py_callstack", "") or ""
         else:
             msg, tb = str(data), ""
-        if not msg or msg.startswith("To enable traceback"):
+        if not msg or msg == "<NONE>" or msg.startswith("To enable traceback"):
             msg = _describe_exit(f.exitcode)
         out.append(RankFailure(rank, f.local_rank, f.exitcode, msg, tb, int(f.timestamp or 0)))
-    return sorted(out, key=lambda r: (r.timestamp, r.rank))
+    return sorted(out, key=_root_cause_order)
+
+
+def _root_cause_order(f: RankFailure) -> tuple[int, int, int]:
+    """Root cause first: a recorded exception, then a non-zero exit, then a signal; last, SIGTERM, which
+    the agent itself sends to the surviving ranks once one has failed."""
+    if f.traceback:
+        kind = 0
+    elif f.exitcode > 0:
+        kind = 1
+    elif f.exitcode == -signal.SIGTERM:
+        kind = 3
+    else:
+        kind = 2
+    return (kind, f.timestamp, f.rank)
 
 
 def _format_failure(failures: list[RankFailure], attempts: int) -> str:
@@ -173,8 +300,9 @@ def _last_frame(tb: str) -> str:
 
 def _quiet_agent_logs() -> None:
     # The agent logs every rendezvous round at INFO/WARNING; paratrain reports failures itself.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int, Any]:
@@ -185,17 +313,26 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
 
+    launch = resolve(launch)
     preflight(launch)
     nproc = resolve_nproc(launch)
-    _worker_env(nproc)
+    _worker_env(nproc, standalone=is_standalone(launch))
     if quiet:
         _quiet_agent_logs()
     config = _elastic_config(launch, nproc)
+    import threading
+
+    old_usr1 = None
+    if threading.current_thread() is threading.main_thread():
+        old_usr1 = signal.signal(signal.SIGUSR1, _forward_to_children)
     try:
         return dict(launch_agent(config, sys.executable, list(entry)))
     except ChildFailedError as err:
         failures = _failures(err)
         raise LaunchError(_format_failure(failures, launch.max_restarts), failures) from None
+    finally:
+        if old_usr1 is not None:
+            signal.signal(signal.SIGUSR1, old_usr1)
 
 
 def run_module(module: str, argv: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int, Any]:
@@ -238,3 +375,46 @@ def record_errors(fn: Any) -> Any:
             sys.exit(1)
 
     return wrapper
+
+
+def preflight_train(cfg: Any, world: int, strategy: Any) -> None:
+    """Launch checks of ``paratrain train`` that need the whole config. Raises :class:`ConfigError`.
+
+    - an elastic range ``MIN:MAX``: the global batch must split evenly at *every* world size in the range;
+    - ``--fail-rank`` must exist;
+    - multi-node: every node must write into the same run directory (on a shared filesystem), so it is
+      ``--run-dir``, or ``runs/<rdzv-id>`` derived from the job id shared by all nodes.
+    """
+    launch = cfg.launch
+    parts = launch.nnodes.split(":")
+    nproc = resolve_nproc(launch)
+    for nodes in range(int(parts[0]), int(parts[-1]) + 1):
+        size = nproc * nodes
+        try:
+            strategy.check(size, cfg.strategy)
+            cfg.validate(size, strategy.data_parallel_size(size, cfg.strategy))
+        except ConfigError as e:
+            raise ConfigError(f"--nnodes {launch.nnodes}: at {nodes} node(s) (world size {size}): {e}") from None
+    if launch.fail_at_step is not None and launch.fail_rank >= world:
+        raise ConfigError(f"--fail-rank {launch.fail_rank} does not exist: the world size is {world} "
+                          f"(ranks 0..{world - 1}).")
+    if launch.nnodes != "1" and cfg.train.run_dir is None and cfg.checkpoint.dir is None:
+        if not launch.rdzv_id:
+            raise ConfigError(
+                "a multi-node run needs one run directory shared by all nodes: pass the same --run-dir (on a "
+                "shared filesystem) to every node, or --rdzv-id ID to use runs/ID."
+            )
+        cfg.train.run_dir = os.path.join("runs", launch.rdzv_id)
+
+
+def wait_for_summary(path: Any, timeout_s: float = 15.0) -> bool:
+    """Multi-node: rank 0 (maybe on another node) writes the summary after its agent's peers finished."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.isfile(path):
+            return True
+        time.sleep(0.2)
+    return False
+

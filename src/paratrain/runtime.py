@@ -76,7 +76,9 @@ def choose_backend(backend: str = "auto", device: str = "auto") -> tuple[str, st
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     if device == "cuda" and not cuda_available():
-        raise RuntimeError("device 'cuda' was requested but no CUDA GPU is visible. Use --set launch.device=cpu.")
+        raise RuntimeError(
+            "device 'cuda' was requested but no CUDA GPU is visible. Use --set launch.device=cpu."
+        )
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
@@ -137,6 +139,15 @@ def init(
         }
         if device_type == "cuda":
             kwargs["device_id"] = dev  # eager NCCL init bound to this device
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # The agent's store outlives a restart of the worker group, and torch uses it without a
+            # per-attempt prefix: a restarted rank would read its peers' addresses from the failed attempt
+            # and fail to connect. Prefix every key with the attempt number.
+            client = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+            kwargs["store"] = dist.PrefixStore(f"paratrain/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", client)
         dist.init_process_group(**kwargs)
     if seed is not None:
         seed_everything(seed)

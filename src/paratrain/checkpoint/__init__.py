@@ -8,4 +8,10 @@ from paratrain.checkpoint.manager import (
     step_dir_name,
 )
 
-__all__ = ["CheckpointError", "CheckpointManager", "find_latest_valid", "is_valid_checkpoint", "step_dir_name"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "find_latest_valid",
+    "is_valid_checkpoint",
+    "step_dir_name",
+]

@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.checkpoint import CheckpointManager, find_latest_valid
+from paratrain.checkpoint import CheckpointManager
+from paratrain.checkpoint.lifecycle import RunLifecycle
 from paratrain.config import RunConfig
 from paratrain.data import DistributedBatchSampler, Splits
+from paratrain.diagnose.faults import peer_guard
 from paratrain.parallel import Strategy, model_state_bytes
 from paratrain.runtime import Context, get_logger
 from paratrain.train.metrics import MetricsWriter
@@ -152,14 +154,20 @@ class Trainer:
         self.sampler = DistributedBatchSampler(
             len(data.train), t.batch_size, strategy.dp_rank, strategy.dp_size, seed=t.seed, shuffle=True
         )
-        self.total_steps = t.steps if t.steps is not None else (t.epochs or 1) * self.sampler.batches_per_epoch
+        self.total_steps = (
+            t.steps if t.steps is not None else (t.epochs or 1) * self.sampler.batches_per_epoch
+        )
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
         self.precision = Precision(t.precision, ctx.device)
         self.step = 0
         self.resumed_from: int | None = None
         self._gen = torch.Generator().manual_seed(t.seed * 1000 + strategy.dp_rank)
         ckpt_dir = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
-        self.ckpt = CheckpointManager(ckpt_dir, ctx, cfg.checkpoint.keep_last)
+        self.ckpt = CheckpointManager(ckpt_dir, ctx, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+        self.losses: list[float] = []
+        """Global mean loss per step, flushed from ``_pending_losses`` at log/save time (one all-reduce)."""
+        self._pending_losses: list[torch.Tensor] = []
+        self.lifecycle = RunLifecycle(self)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
 
     # ---- helpers --------------------------------------------------------------------------------------
@@ -176,29 +184,16 @@ class Trainer:
             values /= self.strategy.dp_size
         return values
 
-    def _train_state(self) -> dict[str, Any]:
-        return {
-            "sampler": self.sampler.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "strategy": self.strategy.name,
-            "config": self.cfg.to_dict(),
-            "num_params": self.num_params,
-        }
+    def flush_losses(self) -> None:
+        """Average the pending per-step losses over ranks (one all-reduce) and append them to ``losses``."""
+        if self._pending_losses:
+            self.losses.extend(self._global_mean(torch.stack(self._pending_losses).float()).tolist())
+            self._pending_losses.clear()
 
     # ---- resume ---------------------------------------------------------------------------------------
     def maybe_resume(self) -> None:
-        mode = self.cfg.checkpoint.resume
-        if mode == "never":
-            return
-        path = find_latest_valid(self.ckpt.root) if mode == "auto" else Path(mode)
-        if path is None:
-            return
-        state = self.ckpt.load(path, self.model, self.optimizer)
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.resumed_from = self.step
-        self.log.info("resumed from %s (step %d)", path, self.step)
+        """Load the checkpoint ``checkpoint.resume`` selects (see :mod:`paratrain.checkpoint.lifecycle`)."""
+        self.lifecycle.resume()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train_step(self) -> torch.Tensor:
@@ -270,44 +265,50 @@ class Trainer:
         t = self.cfg.train
         self.maybe_resume()
         start_step = self.step
-        losses_dev: list[torch.Tensor] = []
-        logged: list[float] = []
+        logged = self.losses
         bar = _progress(self.ctx, t.progress, self.total_steps, start_step)
         self.ctx.synchronize()
         t0 = time.perf_counter()
         eval_time = 0.0
-        ckpt_every = self.cfg.checkpoint.every
-        while self.step < self.total_steps:
-            losses_dev.append(self.train_step())
-            self.step += 1
-            if bar is not None:
-                bar.update(1)
-            if self.step % t.log_every == 0 or self.step == self.total_steps:
-                flushed = self._global_mean(torch.stack(losses_dev[len(logged) :]).float()).tolist()
-                logged.extend(flushed)
+        self.lifecycle.install_signal_handlers()
+        # peer_guard: a collective that fails because a peer died or hung is re-raised naming that rank.
+        with peer_guard(self.ctx) as peers:
+            while self.step < self.total_steps:
+                self._pending_losses.append(self.train_step())
+                self.step += 1
+                if peers is not None:
+                    peers.step = self.step
                 if bar is not None:
-                    bar.set_postfix(loss=f"{logged[-1]:.4f}")
-                self.metrics.write({"step": self.step, "loss": logged[-1], "lr": self.scheduler.get_last_lr()[0]})
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                    bar.update(1)
+                if self.step % t.log_every == 0 or self.step == self.total_steps:
+                    self.flush_losses()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{logged[-1]:.4f}")
+                    self.metrics.write(
+                        {"step": self.step, "loss": logged[-1], "lr": self.scheduler.get_last_lr()[0]}
+                    )
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                    e0 = time.perf_counter()
+                    acc, eloss = self.evaluate()
+                    eval_time += time.perf_counter() - e0
+                    self.metrics.write({"step": self.step, "eval_accuracy": acc, "eval_loss": eloss})
                 e0 = time.perf_counter()
-                acc, eloss = self.evaluate()
+                # async-save poll, fault injection, coordinated stop on a signal, periodic save
+                stop = self.lifecycle.after_step()
                 eval_time += time.perf_counter() - e0
-                self.metrics.write({"step": self.step, "eval_accuracy": acc, "eval_loss": eloss})
-            if ckpt_every and self.step % ckpt_every == 0 and self.step < self.total_steps:
-                e0 = time.perf_counter()
-                self.ckpt.save(self.step, self.model, self.optimizer, self._train_state())
-                eval_time += time.perf_counter() - e0
+                if stop:
+                    break
+        self.lifecycle.restore_signal_handlers()
         self.ctx.synchronize()
         train_time = time.perf_counter() - t0 - eval_time
         if bar is not None:
             bar.close()
         steps_run = self.step - start_step
         samples_per_s = steps_run * t.batch_size / train_time if steps_run and train_time > 0 else None
-        acc, eloss = self.evaluate()
+        self.flush_losses()
+        acc, eloss = (None, None) if self.lifecycle.stopped_by else self.evaluate()
         self.metrics.write({"step": self.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True})
-        ckpt_path = None
-        if self.cfg.checkpoint.save_at_end and steps_run > 0:
-            ckpt_path = str(self.ckpt.save(self.step, self.model, self.optimizer, self._train_state()))
+        ckpt_path = self.lifecycle.finish(steps_run)  # final save, and wait for any async save in flight
         state_bytes = torch.tensor([model_state_bytes(self.model, self.optimizer)], dtype=torch.int64)
         if self.ctx.distributed:
             dist.all_reduce(state_bytes, op=dist.ReduceOp.MAX)
@@ -336,6 +337,8 @@ class Trainer:
                 "train_time_s": train_time,
                 "run_dir": str(self.run_dir),
                 "checkpoint": ckpt_path,
+                "checkpoint_blocked_s": list(self.ckpt.blocked_s),
+                "stopped_by_signal": self.lifecycle.stopped_by,
                 "device": self.ctx.device.type,
                 "backend": self.ctx.backend,
             },

@@ -1,0 +1,37 @@
+"""``paratrain ckpt inspect DIR [--json]`` and ``paratrain ckpt export STEP_DIR OUT.safetensors``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_ckpt_commands(sub: Any) -> None:
+    p = sub.add_parser("ckpt", help="inspect and export checkpoints")
+    ck = p.add_subparsers(dest="ckpt_command", required=True)
+    q = ck.add_parser("inspect", help="steps, sizes, world size, strategy and validity of a checkpoint directory")
+    q.add_argument("dir", help="checkpoint directory (with step_NNNNNNNN/ inside) or one step directory")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_inspect)
+    q = ck.add_parser("export", help="write the consolidated full model of a checkpoint as safetensors")
+    q.add_argument("step_dir", help="a committed step_NNNNNNNN directory")
+    q.add_argument("out", help="output .safetensors file")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_export)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint.inspect import format_inspect, inspect_dir
+
+    info = inspect_dir(args.dir)
+    print(json.dumps(info) if args.json else format_inspect(info))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint.inspect import export_safetensors
+
+    info = export_safetensors(args.step_dir, args.out)
+    print(json.dumps(info) if args.json else f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.2f} MiB) to {info['out']}")
+    return 0

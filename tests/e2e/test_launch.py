@@ -1,0 +1,73 @@
+"""The launcher as a user runs it: torchrun drop-in on loopback, and two agents forming one multi-node job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratrain.testing import free_port
+from tests.conftest import cli_env, last_json, run_cli
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = '''
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+listening = []
+if dist.get_rank() == 0:
+    # every listening TCP socket of this machine on the job's rendezvous port (and its host's)
+    port = int(os.environ["MASTER_PORT"])
+    for line in open("/proc/net/tcp").read().splitlines()[1:] + open("/proc/net/tcp6").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+            listening.append(local.rsplit(":", 1)[0])
+print(json.dumps({"rank": dist.get_rank(), "sum": t.item(), "args": sys.argv[1:],
+                  "master": os.environ["MASTER_ADDR"], "listening": listening}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(90)
+def test_launch_dropin_runs_script_on_loopback_only(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    proc = run_cli("launch", "--nproc-per-node", "2", str(script), "--lr", "0.1", cwd=tmp_path, timeout=80)
+    import json
+
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    assert all(r["sum"] == 3.0 and r["args"] == ["--lr", "0.1"] and r["master"] == "127.0.0.1" for r in lines)
+    rank0 = next(r for r in lines if r["rank"] == 0)
+    # the workers' c10d store listens on 127.0.0.1 only (0100007F), never on 0.0.0.0 or ::
+    assert rank0["listening"] == ["0100007F"], rank0["listening"]
+
+
+@pytest.mark.timeout(150)
+def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None:
+    port = free_port()
+    common = ["train", "--model", "mlp", "--data", "synthetic-classification", "--steps", "4",
+              "--batch-size", "32", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-id", "e2e-two-agents", "--run-dir", str(tmp_path / "run"), "--json"]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(r)], cwd=tmp_path,
+                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=140) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    summaries = [last_json(out) for out, _ in outs if out.strip()]
+    assert summaries, [err for _, err in outs]
+    s = summaries[0]
+    assert s["world_size"] == 2 and s["steps"] == 4 and s["param_sha256"]
+    # the same job standalone on one node gives the same parameters
+    ref = last_json(run_cli("train", "--model", "mlp", "--data", "synthetic-classification", "--steps", "4",
+                            "--batch-size", "32", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "ref"),
+                            "--json", cwd=tmp_path).stdout)
+    assert ref["param_sha256"] == s["param_sha256"]

@@ -1,0 +1,69 @@
+"""Crash, restart and resume exactly as a user runs them: ``paratrain train`` subprocesses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paratrain.parallel import available_strategies
+from tests.conftest import last_json, run_cli
+
+pytestmark = pytest.mark.e2e
+
+COMMON = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=512",
+          "--set", "model.dropout=0.1", "--batch-size", "48", "--steps", "10", "--lr", "0.01", "--json"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path) -> None:
+    if strategy not in available_strategies():
+        pytest.skip(f"strategy {strategy} is not registered in this build")
+    args = [*COMMON, "--strategy", strategy, "--nproc-per-node", "2"]
+    ref = last_json(run_cli("train", *args, "--run-dir", str(tmp_path / "ref"), "--resume", "never",
+                            cwd=tmp_path, timeout=120).stdout)
+    proc = run_cli("train", *args, "--run-dir", str(tmp_path / "crash"), "--ckpt-every", "3",
+                   "--fail-at-step", "5", "--fail-rank", "1", "--max-restarts", "2", cwd=tmp_path, timeout=180)
+    got = last_json(proc.stdout)
+    assert "rank 1 kills itself (SIGKILL) at step 5" in proc.stderr
+    assert "rank(s) [1] stopped responding" in proc.stderr  # the survivor named the dead peer
+    assert got["restarts"] == 1 and got["resumed_from_step"] == 3
+    assert got["param_sha256"] == ref["param_sha256"]
+    assert got["losses"] == ref["losses"]  # the whole curve, including the steps before the crash
+
+
+@pytest.mark.timeout(200)
+def test_truncated_skipped_world_size_change_and_foreign_model_refused(tmp_path: Path) -> None:
+    run = ["train", *COMMON, "--run-dir", str(tmp_path / "run")]
+    run_cli(*run, "--steps", "6", "--ckpt-every", "3", "--nproc-per-node", "2", cwd=tmp_path)
+    ckpts = tmp_path / "run" / "checkpoints"
+    shard = ckpts / "step_00000006" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn write
+
+    inspect = last_json(run_cli("ckpt", "inspect", str(ckpts), "--json", cwd=tmp_path).stdout)
+    by_step = {c["step"]: c for c in inspect["checkpoints"]}
+    assert by_step[3]["valid"] and not by_step[6]["valid"] and by_step[6]["world_size"] == 2
+    assert inspect["resume_auto"].endswith("step_00000003")
+
+    proc = run_cli(*run, "--nproc-per-node", "3", cwd=tmp_path, timeout=150)
+    out = last_json(proc.stdout)
+    assert "skipping checkpoint" in proc.stderr and "step_00000006" in proc.stderr
+    assert out["world_size"] == 3 and out["resumed_from_step"] == 3 and out["steps"] == 10
+    assert len(out["losses"]) == 10
+
+    bad = run_cli(*run, "--nproc-per-node", "2", "--set", "model.hidden=64", cwd=tmp_path, check=False)
+    assert bad.returncode == 2, bad.stderr
+    assert "does not match this model" in bad.stderr
+    assert bad.stderr.count("shape mismatch") >= 3  # every mismatching tensor is listed, in one message
+
+    exported = tmp_path / "model.safetensors"
+    run_cli("ckpt", "export", str(ckpts / "step_00000010"), str(exported), cwd=tmp_path)
+    from safetensors.torch import load_file
+
+    from paratrain.config import RunConfig
+    from paratrain.models import build_model
+
+    cfg = RunConfig().override(["model.name=mlp"])
+    expect = {k: v.shape for k, v in build_model(cfg.model, (32,), 10).state_dict().items()}
+    assert {k: v.shape for k, v in load_file(str(exported)).items()} == expect
