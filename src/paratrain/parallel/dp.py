@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ class GradReducer:
         self.enabled = True
         self.launched = 0
         """Buckets launched so far (tests read it: accumulation micro-steps must not change it)."""
+        self.wait_s = 0.0
+        """Seconds backward spent waiting for communication after its last gradient (exposed communication)."""
         self._lock = threading.Lock()
         self._queued = False
         self._next = 0
@@ -214,9 +217,12 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
+        t0 = time.perf_counter()
         for bucket in self.buckets:  # the only place the step waits for communication
             h = bucket.handle
             h.result() if isinstance(h, Future) else h.wait()
+        self.wait_s += time.perf_counter() - t0
+        for bucket in self.buckets:
             buf = bucket.buffer
             used = buf[bucket.numel :].tolist() if bucket.pending else None
             for slot, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):

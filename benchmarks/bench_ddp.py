@@ -1,0 +1,262 @@
+"""Data parallel, measured side by side in one run: paratrain ``ddp`` and ``dp`` against plain torch DDP.
+
+In the same worker processes, on the same model (ResNet-18 for 32x32 inputs, width ``--width``), the same
+in-memory data and the same per-rank batch, three training loops take turns (rotating order, ``--rounds``
+blocks of ``--steps`` steps each, every block timed between barriers, median step time per loop, so machine noise hits all of them alike):
+
+- **plain**: the hand-written loop of ``benchmarks/plain_ddp.py`` (torch DDP, nothing from paratrain);
+- **ddp**: paratrain's ``Trainer.train_step`` with ``--strategy ddp`` (sampler, precision, scheduler...);
+- **dp**: the same with ``--strategy dp`` and the native all-reduce (plus ``--algorithms`` if given).
+
+Reported: step time and its ratio to plain (targets: ddp within 3%, dp within 1.15x); a scaling table for
+1, 2, 4 ranks (samples/s with the per-rank batch fixed, speedup, efficiency = speedup / N); and the split
+of a step into forward, backward, exposed communication and optimizer. Exposed communication = backward
+time minus the same backward under ``no_sync`` (pure compute), for every strategy alike; for ``dp`` the
+reducer's own measured wait is shown too.
+
+    python benchmarks/bench_ddp.py              # tables (a few minutes on 2 cores)
+    python benchmarks/bench_ddp.py --json       # one JSON object
+    python benchmarks/bench_ddp.py --quick      # a smoke run
+
+On a CPU machine every rank is one process with one thread: N ranks on fewer than N cores compete for
+cores, which the scaling table shows honestly rather than hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plain_ddp  # the baseline script next to this one
+
+
+def _cfg(strategy: str, algorithm: str, args: argparse.Namespace, world: int, run_dir: str) -> Any:
+    from paratrain.config import RunConfig
+
+    return RunConfig().override([
+        f"strategy.name={strategy}", f"strategy.comm_algorithm={algorithm}",
+        "model.name=resnet18", f"model.channels={args.width}", "data.name=bench-images",
+        f"data.num_samples={max(512, 4 * args.batch * world)}",
+        f"train.batch_size={args.batch * world}", "train.steps=1000000", "train.epochs=none",
+        "optimizer.name=sgd", "optimizer.lr=0.01", "train.progress=false", "checkpoint.save_at_end=false",
+        "train.sync_batchnorm=false",  # plain DDP has local BatchNorm: the same model everywhere
+        "train.log_every=1000000", f"train.run_dir={run_dir}",
+    ])  # fmt: skip
+
+
+def _register_dataset() -> None:
+    from paratrain.data import Splits, TensorData, register_dataset
+
+    @register_dataset("bench-images")
+    def _images(cfg: Any) -> Splits:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(cfg.num_samples, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (cfg.num_samples,), generator=g)
+        return Splits(TensorData(x, y), TensorData(x[:64], y[:64]), "classification", (3, 32, 32), 10)
+
+
+def _plain_loop(args: argparse.Namespace, ctx: Any, run_dir: str) -> tuple[Callable[[], Any], Any]:
+    """plain_ddp's model and step over the same data, indexed the way the sampler does (contiguous blocks)."""
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+
+    cfg = _cfg("ddp", "native", args, ctx.world_size, run_dir)
+    data = build_dataset(cfg.data)
+    model, opt = plain_ddp.build(build_model(cfg.model, (3, 32, 32), 10), ctx.device)
+    n, b, w, r = len(data.train), args.batch, ctx.world_size, ctx.rank
+    pos = [0]
+
+    def step() -> Any:
+        start = (pos[0] * b * w) % (n - b * w) + r * b
+        pos[0] += 1
+        x = data.train.x[start : start + b].to(ctx.device)
+        y = data.train.y[start : start + b].to(ctx.device)
+        return plain_ddp.step(model, opt, x, y)
+
+    x, y = data.train.x[:b].to(ctx.device), data.train.y[:b].to(ctx.device)
+    return step, (model, opt, None, x, y)
+
+
+def _loops(args: argparse.Namespace, names: list[str], run_dir: str) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """name -> (one training step, (model, optimizer, strategy or None, x, y) for the phase split)."""
+    from paratrain.runtime import init
+    from paratrain.worker import build_trainer
+
+    out: dict[str, tuple[Callable[[], Any], Any]] = {}
+    for name in names:
+        strategy, _, algorithm = name.partition("/")
+        ctx = init(seed=0)
+        if strategy == "plain":
+            out[name] = _plain_loop(args, ctx, run_dir)
+            continue
+        cfg = _cfg(strategy, algorithm or "native", args, ctx.world_size, run_dir)
+        trainer = build_trainer(cfg, ctx, Path(run_dir) / name.replace("/", "-"))
+        x = trainer.data.train.x[: args.batch].to(ctx.device)
+        y = trainer.data.train.y[: args.batch].to(ctx.device)
+        out[name] = (trainer.train_step, (trainer.model, trainer.optimizer, trainer.strategy, x, y))
+    return out
+
+
+def _timed(fn: Callable[[], Any], steps: int, sync: Callable[[], None]) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def _phase_split(objs: Any, steps: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Median seconds of forward, backward, exposed communication and optimizer over ``steps`` steps."""
+    import torch.distributed as dist
+
+    model, opt, strategy, x, y = objs
+    no_sync = strategy.no_sync if strategy is not None else (lambda m: m.no_sync())
+    reducer = getattr(strategy, "reducer", None)
+    rows: dict[str, list[float]] = {"forward": [], "backward": [], "backward_compute": [], "optimizer": [], "dp_wait": []}
+    for i in range(2 * steps):
+        communicate = i % 2 == 0
+        dist.barrier()
+        wait0 = reducer.wait_s if reducer is not None else 0.0
+        opt.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        with contextlib.nullcontext() if communicate else no_sync(model):
+            loss = nn.functional.cross_entropy(model(x), y)
+            sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            sync()
+            t2 = time.perf_counter()
+        if communicate:  # replicas stay identical: the optimizer only steps on synchronised gradients
+            opt.step()
+            sync()
+            rows["optimizer"].append(time.perf_counter() - t2)
+            rows["backward"].append(t2 - t1)
+            rows["forward"].append(t1 - t0)
+            if reducer is not None:
+                rows["dp_wait"].append(reducer.wait_s - wait0)
+        else:
+            rows["backward_compute"].append(t2 - t1)
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    med["exposed_comm"] = max(0.0, med["backward"] - med["backward_compute"])
+    return med
+
+
+def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from paratrain.runtime import device_synchronizer, init
+
+    torch.set_num_threads(1)
+    _register_dataset()
+    ctx = init(seed=0)
+    sync = device_synchronizer(ctx.device)
+    with tempfile.TemporaryDirectory(prefix="bench-ddp-") as tmp:
+        loops = _loops(args, names, tmp)
+        for fn, _ in loops.values():  # warm-up: allocator, DDP bucket rebuild, first-touch
+            for _ in range(args.warmup):
+                fn()
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for n in order:
+                times[n].append(_timed(loops[n][0], args.steps, sync))
+        split = {n: _phase_split(loops[n][1], args.split_steps, sync) for n in names} if with_split else {}
+    med = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    return {"step_s": dict(zip(names, med.tolist(), strict=True)), "split": split, "world_size": ctx.world_size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=16, help="ResNet-18 first-stage width (64 = the paper's)")
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch")
+    p.add_argument("--steps", type=int, default=1, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=30, help="timed blocks per loop (rotating order)")
+    p.add_argument("--split-steps", type=int, default=10, help="steps of each phase-split measurement")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--world-size", type=int, default=2, help="ranks of the side-by-side comparison")
+    p.add_argument("--scaling", default="1,2,4", help="rank counts of the scaling table ('' to skip)")
+    p.add_argument("--algorithms", default="", help="extra dp all-reduces to time, e.g. ring,tree")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.batch, args.rounds, args.split_steps, args.warmup, args.scaling = 8, 8, 4, 2, 1, "1,2"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from paratrain.testing import run_distributed
+
+    names = ["plain", "ddp", "dp"] + [f"dp/{a}" for a in args.algorithms.split(",") if a]
+    side = run_distributed(_bench_rank, args.world_size, args=(args, names, True), timeout_s=1800)[0]
+    plain = side["step_s"]["plain"]
+    result: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],  # other work on the machine distorts every number here
+        "side_by_side": {
+            n: {"step_ms": 1e3 * t, "ratio_to_plain": t / plain} for n, t in side["step_s"].items()
+        },
+        "split_ms": {n: {k: 1e3 * v for k, v in s.items()} for n, s in side["split"].items()},
+        "scaling": [],
+    }
+    base = None
+    for n in [int(s) for s in args.scaling.split(",") if s]:
+        r = run_distributed(_bench_rank, n, args=(args, ["ddp", "dp"], False), timeout_s=1800)[0]
+        row: dict[str, Any] = {"ranks": n}
+        for name, t in r["step_s"].items():
+            sps = n * args.batch / t
+            if base is None or name not in base:
+                base = {**(base or {}), name: sps} if n == 1 else base
+            b1 = (base or {}).get(name)
+            row[name] = {"samples_per_s": sps, "speedup": sps / b1 if b1 else None,
+                         "efficiency": sps / b1 / n if b1 else None}  # fmt: skip
+        result["scaling"].append(row)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print(result)
+    return 0
+
+
+def _print(r: dict[str, Any]) -> None:
+    c = r["config"]
+    print(f"ResNet-18 (width {c['width']}), per-rank batch {c['batch']}, {c['world_size']} ranks, {r['device']} "
+          f"({r['cpus']} cores, load {r['load_average_1m']:.1f}); median of {c['rounds']} blocks x {c['steps']} steps\n")  # fmt: skip
+    print(f"{'loop':<10} {'ms/step':>9} {'vs plain':>9}")
+    for n, v in r["side_by_side"].items():
+        print(f"{n:<10} {v['step_ms']:>9.1f} {v['ratio_to_plain']:>8.3f}x")
+    print(f"\n{'loop':<10} {'forward':>8} {'backward':>9} {'exposed comm':>13} {'optimizer':>10}  (ms; dp wait)")
+    for n, s in r["split_ms"].items():
+        wait = f"  {s['dp_wait']:.1f}" if "dp_wait" in s else ""
+        print(f"{n:<10} {s['forward']:>8.1f} {s['backward_compute']:>9.1f} {s['exposed_comm']:>13.1f} "
+              f"{s['optimizer']:>10.1f}{wait}")  # fmt: skip
+    if r["scaling"]:
+        print(f"\n{'ranks':>5} {'strategy':<8} {'samples/s':>10} {'speedup':>8} {'efficiency':>10}")
+        for row in r["scaling"]:
+            for name in ("ddp", "dp"):
+                v = row[name]
+                sp = f"{v['speedup']:.2f}" if v["speedup"] else "-"
+                ef = f"{v['efficiency']:.0%}" if v["efficiency"] else "-"
+                print(f"{row['ranks']:>5} {name:<8} {v['samples_per_s']:>10.1f} {sp:>8} {ef:>10}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
