@@ -86,7 +86,8 @@ def _model(args: argparse.Namespace) -> nn.Module:
     return MLP(args.features, args.hidden, args.layers, 10)
 
 
-def _one(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def _prepare(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """Set up ``name``, warm it up, measure its memory and count one step's communication."""
     from torch.profiler import ProfilerActivity, profile
 
     from paratrain.parallel import model_state_bytes, setup
@@ -121,22 +122,30 @@ def _one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     sent, counts = _sent_bytes(events, n)
     sent_t = torch.tensor([sent])
     dist.all_reduce(sent_t, op=dist.ReduceOp.MAX)
-    times = []
-    for _ in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"strategy": name, "world_size": n, "psi": psi, "bytes": int(held), "formula_bytes": formula_bytes(name, psi, n),
-            "comm_bytes": int(sent_t), "formula_comm": formula_comm(name, psi, n), "collectives": counts,
-            "step_s": float(t)}
+    row = {"strategy": name, "world_size": n, "psi": psi, "bytes": int(held),
+           "formula_bytes": formula_bytes(name, psi, n), "comm_bytes": int(sent_t),
+           "formula_comm": formula_comm(name, psi, n), "collectives": counts}
+    return row, step
 
 
 def _all(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
-    return [_one(name, args) for name in args.strategies]
+    prepared = [_prepare(name, args) for name in args.strategies]
+    # Timed steps interleave the strategies round by round, so that load from other processes on a
+    # shared machine falls on all of them alike; the median over rounds is reported.
+    times: list[list[float]] = [[] for _ in prepared]
+    for _ in range(args.steps):
+        for i, (_row, step) in enumerate(prepared):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            times[i].append(time.perf_counter() - t0)
+    rows = []
+    for (row, _step), ts in zip(prepared, times, strict=True):
+        t = torch.tensor([statistics.median(ts)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        rows.append(dict(row, step_s=float(t)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

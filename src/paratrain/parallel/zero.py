@@ -21,14 +21,14 @@ rows, which are views into the full parameters, so there is no separate master c
 Communication schedule of one step (parameters are flattened into buckets of ``bucket_cap_mb``, laid out
 rank-major so that one collective moves a whole bucket):
 
-1. gradients: ``reduce_scatter`` (sum, then / N) of each bucket. Rank r receives the global mean gradient
-   of exactly the rows it owns.
+1. gradients: ``reduce_scatter`` (sum, then / N) of each bucket, launched *during backward*, async, from a
+   post-accumulate-grad hook as soon as the last gradient of a bucket is ready; backward keeps computing
+   while Gloo/NCCL reduces. Rank r receives the global mean gradient of exactly the rows it owns.
 
-   - ``zero1``: launched in ``step()`` for all buckets at once (async); the full local gradients stay in
-     ``p.grad`` (ZeRO-1 keeps 4Ψ of gradients).
-   - ``zero2``: launched *during backward*, async, from a post-accumulate-grad hook as soon as the last
-     gradient of a bucket is ready; the full gradients are then freed (``p.grad = None``), so only the
-     reduced 4Ψ/N shard survives. Backward keeps computing while Gloo/NCCL reduces; ``step()`` waits.
+   - ``zero1``: the full local gradients stay in ``p.grad`` (ZeRO-1 keeps 4Ψ of gradients); the reduced
+     rows are a transient buffer, dropped after ``step()``.
+   - ``zero2``: once a bucket's gradients are in the send buffer they are freed (``p.grad = None``), so
+     only the reduced 4Ψ/N shard survives until the next ``zero_grad()``.
 2. ``step()`` waits for every reduce-scatter, (optionally clips with a global norm: one all-reduce of a
    scalar), and runs the user's optimizer on the owned rows.
 3. parameters: ``all_gather`` of each bucket's updated rows, all launched async, then each is waited for
@@ -36,8 +36,10 @@ rank-major so that one collective moves a whole bucket):
 
 An all-reduce is exactly a reduce-scatter followed by an all-gather, so ZeRO-1/2 send the same 2Ψ per rank
 as DDP's all-reduce ("gradients are all-reduced": the all-reduce is split around the sharded update).
-Gradient accumulation needs no special handling in ``zero1`` (nothing communicates before ``step()``); in
-``zero2`` the hooks are disabled inside ``no_sync()`` so that gradients accumulate locally in full.
+Inside ``no_sync()`` (gradient accumulation) the hooks do nothing, so gradients accumulate locally in full
+and are reduced once, on the last micro-batch. Buckets a hook did not launch (a parameter without a
+gradient, or gradients set by hand) are reduced in ``step()``. With one rank nothing is communicated: the
+owned rows are the whole parameter and its gradient is used as is.
 
 Optimizer state is exposed to Distributed Checkpoint (DCP) as DTensors with ``Shard(0)`` over a 1-D mesh
 and the parameter's full shape, so DCP saves each rank's rows once and can reshard the checkpoint into
@@ -136,7 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ]
         self.optim = clone_optimizer(optimizer, inner_groups)
         self._hooks: list[Any] = []
-        if shard_gradients:
+        if self.world > 1:
             for p in params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -205,6 +207,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _launch_reduce(self, b: _Bucket) -> None:
+        b.reduced = True
+        if self.world == 1:  # the owned rows are the whole parameter: its gradient needs no reduction
+            for s in b.slots:
+                s.shard.grad = s.param.grad.view_as(s.shard) if s.param.grad is not None else None
+            return
         first = b.slots[0].param
         send = torch.zeros(self.world * b.segment, dtype=first.dtype, device=first.device)
         for s in b.slots:
@@ -215,12 +222,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.shard_gradients:
                 s.param.grad = None  # ZeRO-2: the full gradient is freed once it is in the send buffer
         b.grad = torch.empty(b.segment, dtype=first.dtype, device=first.device)
-        if self.world > 1:
-            b.work = dist.reduce_scatter_single(b.grad, send, group=self.group, async_op=True)
-            b.send = send  # must outlive the asynchronous collective
-        else:
-            b.grad.copy_(send)
-        b.reduced = True
+        b.work = dist.reduce_scatter_single(b.grad, send, group=self.group, async_op=True)
+        b.send = send  # must outlive the asynchronous collective
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -234,6 +237,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 b.work.wait()
                 b.work, b.send = None, None
                 b.grad.div_(self.world)  # type: ignore[union-attr]  # sum -> mean, once per step
+            if b.grad is None:
+                continue  # one rank: the shards already point at the gradients
             for s in b.slots:
                 if s.shard.requires_grad:
                     s.shard.grad = b.grad[s.offset : s.offset + s.owned_numel].view_as(s.shard)  # type: ignore[index]
@@ -323,7 +328,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         self._refresh_state_view()
         order = self._ordered()
-        index = {p: i for i, p in enumerate(order)}
+        index: dict[torch.Tensor, int] = {p: i for i, p in enumerate(order)}
         state = {index[p]: dict(st) for p, st in self.state.items()}
         groups = []
         for g in self.param_groups:
@@ -339,7 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         # Saved keys (indices, or FQNs when DCP hands the dict over) map to parameters by position in the
         # groups, as torch.optim.Optimizer.load_state_dict does.
-        key_to_param = {}
+        key_to_param: dict[Any, nn.Parameter] = {}
         for g, sg in zip(self.param_groups, saved_groups, strict=True):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError("optimizer state: a param group has a different number of parameters")
