@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.comm import ring
-from paratrain.comm._common import peers
+from paratrain.comm._common import chunk_bounds, peers
 from paratrain.testing import run_distributed
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.bfloat16]
@@ -151,19 +151,35 @@ def check_world(members: list[int] | None = None) -> dict[str, Any]:
 
 
 def check_ring_pieces() -> list[str]:
-    """The ring with tiny pieces, so every chunk is cut in several pipelined pieces of uneven size."""
+    """The ring with tiny pieces, so every chunk is cut in several pipelined pieces of uneven size, and
+    with a receive window of 2, 3 or all slots (the window is reused round-robin)."""
     p, bad = peers("test", None), []
-    for numel, piece_bytes, op in itertools.product([1, 5, 37, 130], [4, 12], comm.OPS):
+    for numel, (piece, scratch), op in itertools.product(
+        [1, 5, 37, 130], [(4, 8), (4, 12), (12, 1 << 20)], comm.OPS
+    ):
         x = _data((numel,), torch.float64, op, seed=numel + p.rank)
         ref = _native_reduce_ref(x, op, None, p.size)
         y = x.clone()
-        ring.all_reduce(y, op, p, piece_bytes=piece_bytes)
+        ring.all_reduce(y, op, p, piece_bytes=piece, scratch_bytes=scratch)
         if not torch.equal(y, ref):
-            bad.append(f"rank {p.rank}: ring all_reduce numel={numel} piece_bytes={piece_bytes} op={op}")
-        bounds = [(a, b) for a, b in comm._common.chunk_bounds(numel, p.size)]
-        got = ring.reduce_scatter(x.clone(), bounds, op, p, piece_bytes=piece_bytes)
+            bad.append(
+                f"rank {p.rank}: ring all_reduce numel={numel} piece={piece} scratch={scratch} op={op}"
+            )
+        bounds = chunk_bounds(numel, p.size)
+        got = ring.reduce_scatter(x.clone(), bounds, op, p, piece_bytes=piece, scratch_bytes=scratch)
         if not torch.equal(got, ref[bounds[p.rank][0] : bounds[p.rank][1]]):
-            bad.append(f"rank {p.rank}: ring reduce_scatter numel={numel} piece_bytes={piece_bytes} op={op}")
+            bad.append(
+                f"rank {p.rank}: ring reduce_scatter numel={numel} piece={piece} scratch={scratch} op={op}"
+            )
+        mine = torch.arange(numel, dtype=torch.float64) + 1000 * p.rank
+        parts = [torch.empty_like(mine) for _ in range(p.size)]
+        dist.all_gather(parts, mine)
+        out = torch.zeros(numel * p.size, dtype=torch.float64)
+        ag_bounds = [(r * numel, (r + 1) * numel) for r in range(p.size)]
+        out[ag_bounds[p.rank][0] : ag_bounds[p.rank][1]] = mine
+        ring.all_gather(out, ag_bounds, p, piece_bytes=piece)
+        if not torch.equal(out, torch.cat(parts)):
+            bad.append(f"rank {p.rank}: ring all_gather numel={numel} piece={piece}")
     return bad
 
 

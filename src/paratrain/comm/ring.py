@@ -40,8 +40,10 @@ import torch
 
 from paratrain.comm._common import Peers, chunk_bounds, combine_, finish_mean_, wait_all
 
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 4 << 20
 """Default pipelining granularity. Smaller pieces overlap more but pay α per piece."""
+SCRATCH_BYTES = 8 << 20
+"""Receive scratch of the reduce-scatter on Gloo (a window of pieces, reused round-robin)."""
 
 
 def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
@@ -56,6 +58,7 @@ def ring(
     reduce_scatter: bool,
     all_gather: bool,
     piece_bytes: int = PIECE_BYTES,
+    scratch_bytes: int = SCRATCH_BYTES,
 ) -> None:
     """Run the reduce-scatter steps and/or the all-gather steps of the ring on the flat ``flat`` in place.
 
@@ -73,62 +76,107 @@ def ring(
     pieces = [_split(a, b, npieces) for a, b in bounds]
     first = 0 if reduce_scatter else n - 1  # steps [first, last)
     last = 2 * (n - 1) if all_gather else n - 1
-    scratch = [torch.empty(max_chunk, dtype=flat.dtype, device=flat.device) for _ in range(2)]
+    # Reduce-scatter receives go to a window of ``slots`` piece-sized scratch buffers, used round-robin
+    # in landing order (seq = position of (t, j) in the loop). Small and fixed: a few MiB however large
+    # the tensor, so no fresh pages are faulted in per call. NCCL posts a receive together with its send,
+    # one step ahead of the landing, so it needs two chunks' worth of slots.
+    piece_max = max(b - a for chunk in pieces for a, b in chunk)
+    slots = 2 * npieces if peers.batched else min(2 * npieces, max(2, scratch_bytes // max(1, piece_bytes)))
+    scratch = torch.empty(slots, piece_max, dtype=flat.dtype, device=flat.device)
     sends: dict[tuple[int, int], list[Any]] = {}
+    recvs: dict[tuple[int, int], list[Any]] = {}
 
-    def piece_of(t: int, j: int) -> tuple[tuple[int, int], tuple[int, int], int]:
-        send_c, recv_c = (r - t - 1) % n, (r - t - 2) % n
-        return pieces[send_c][j], pieces[recv_c][j], bounds[recv_c][0]
-
-    def issue(t: int, j: int) -> list[Any]:
-        """Post step t, piece j: send it right and receive the matching piece from the left (async)."""
-        (sa, sb), (ra, rb), chunk_start = piece_of(t, j)
+    def recv_target(t: int, j: int) -> torch.Tensor:
+        """Where piece j of step t lands: a scratch slot (reduce-scatter) or its final place (all-gather)."""
+        a, b = pieces[(r - t - 2) % n][j]
         if t < n - 1:
-            dst = scratch[t % 2][ra - chunk_start : rb - chunk_start]
+            return scratch[((t - first) * npieces + j) % slots, : b - a]
+        # The all-gather overwrites this piece; during the reduce-scatter (step t−n+1) this rank sent it
+        # from the same memory, so that send must have completed (it almost always has).
+        wait_all(sends.pop((t - n + 1, j), []))
+        return flat[a:b]
+
+    def post_recv(t: int, j: int) -> None:
+        target = recv_target(t, j)
+        recvs[(t, j)] = [peers.irecv(target, left, tag=t)] if target.numel() else []
+
+    def post_send(t: int, j: int) -> None:
+        a, b = pieces[(r - t - 1) % n][j]
+        if peers.batched:  # NCCL: the send and the receive of a piece as one group (see _common)
+            sends[(t, j)], recvs[(t, j)] = peers.exchange(flat[a:b], right, recv_target(t, j), left, tag=t)
         else:
-            # The all-gather overwrites this piece; during the reduce-scatter (step t−n+1) this rank sent
-            # it from the same memory, so that send must have completed (it almost always has).
-            wait_all(sends.pop((t - n + 1, j), []))
-            dst = flat[ra:rb]
-        send_works, recv_works = peers.exchange(flat[sa:sb], right, dst, left, tag=t)
-        sends[(t, j)] = send_works
-        return recv_works
+            sends[(t, j)] = [peers.isend(flat[a:b], right, tag=t)] if b > a else []
 
     def land(t: int, j: int) -> None:
-        """Step t, piece j has arrived: reduce it in (reduce-scatter steps); all-gather has nothing to do."""
+        """Piece j of step t has arrived: reduce it in (reduce-scatter steps); all-gather has nothing to do."""
+        wait_all(recvs.pop((t, j)))
         if t >= n - 1:
             return
-        _, (ra, rb), chunk_start = piece_of(t, j)
-        combine_(flat[ra:rb], scratch[t % 2][ra - chunk_start : rb - chunk_start], op)
+        a, b = pieces[(r - t - 2) % n][j]
+        combine_(flat[a:b], scratch[((t - first) * npieces + j) % slots, : b - a], op)
         if t == n - 2:  # chunk r is complete: the one place the mean divides
-            finish_mean_(flat[ra:rb], op, n)
+            finish_mean_(flat[a:b], op, n)
+
+    def seq_to_step(seq: int) -> tuple[int, int]:
+        return first + seq // npieces, seq % npieces
+
+    # Gloo: receives are posted ahead of the sends that match them, so that the bytes flow as soon as
+    # the left neighbour sends (a late receive costs Gloo a notify round trip): the first ``slots``
+    # reduce-scatter receives now, then one more each time a slot frees up; all-gather receives (into
+    # place, no slot) one step ahead.
+    rs_steps = max(0, min(last, n - 1) - first)
+    if not peers.batched:
+        for seq in range(min(slots, rs_steps * npieces)):
+            post_recv(*seq_to_step(seq))
+        if first + 1 < last and first + 1 >= n - 1:
+            for j in range(npieces):
+                post_recv(first + 1, j)
+        if first >= n - 1:
+            for j in range(npieces):
+                post_recv(first, j)
+    for j in range(npieces):
+        post_send(first, j)
 
     # The loop: wait for piece j of step t−1, reduce it, and immediately send it on as piece j of step t.
-    # Only receives are waited on here; sends are waited at the end (or by the all-gather hazard above).
-    pending = [issue(first, j) for j in range(npieces)]
+    # Sends are only waited on at the end (or by the all-gather hazard above).
     for t in range(first + 1, last + 1):
-        following = []
         for j in range(npieces):
-            wait_all(pending[j])
             land(t - 1, j)
+            if not peers.batched:
+                # The reduce-scatter receive that reuses the slot just freed by landing (t−1, j).
+                nxt = (t - 1 - first) * npieces + j + slots
+                if nxt < rs_steps * npieces:
+                    post_recv(*seq_to_step(nxt))
+                if n - 1 <= t + 1 < last:
+                    post_recv(t + 1, j)
             if t < last:
-                following.append(issue(t, j))
-        pending = following
+                post_send(t, j)
     for works in sends.values():
         wait_all(works)
 
 
-def all_reduce(buf: torch.Tensor, op: str, peers: Peers, piece_bytes: int = PIECE_BYTES) -> None:
+def all_reduce(
+    buf: torch.Tensor,
+    op: str,
+    peers: Peers,
+    piece_bytes: int = PIECE_BYTES,
+    scratch_bytes: int = SCRATCH_BYTES,
+) -> None:
     """Ring all-reduce of the contiguous ``buf`` in place: 2(n−1) pipelined steps."""
     flat = buf.view(-1)
-    ring(flat, chunk_bounds(flat.numel(), peers.size), op, peers, True, True, piece_bytes)
+    ring(flat, chunk_bounds(flat.numel(), peers.size), op, peers, True, True, piece_bytes, scratch_bytes)
 
 
 def reduce_scatter(
-    work: torch.Tensor, bounds: list[tuple[int, int]], op: str, peers: Peers, piece_bytes: int = PIECE_BYTES
+    work: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    op: str,
+    peers: Peers,
+    piece_bytes: int = PIECE_BYTES,
+    scratch_bytes: int = SCRATCH_BYTES,
 ) -> torch.Tensor:
     """Ring reduce-scatter of the flat scratch copy ``work``; returns this rank's reduced range (a copy)."""
-    ring(work, bounds, op, peers, True, False, piece_bytes)
+    ring(work, bounds, op, peers, True, False, piece_bytes, scratch_bytes)
     lo, hi = bounds[peers.rank]
     return work[lo:hi].clone()
 

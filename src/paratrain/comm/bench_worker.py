@@ -1,0 +1,208 @@
+"""One rank of ``paratrain bench comm``: ``python -m paratrain.comm.bench_worker SPEC.json OUT.json``.
+
+The parent (:mod:`paratrain.comm.bench`) validates the arguments, writes SPEC.json and starts N of these
+under the torch elastic agent. Each rank:
+
+1. calibrates the α–β–γ model: a ping-pong between group ranks 0 and 1 (α from 8-byte messages, β from
+   4 MiB ones) and a local timed ``add_`` (γ), medians of repeats;
+2. for every collective and size, runs ``warmup`` untimed then ``iters`` timed iterations, with the
+   algorithms *interleaved* (iteration i runs every algorithm once), so slow phases of a noisy machine
+   hit all algorithms alike and the ratios between them stay fair;
+3. times each call alone: barrier, start, call, wait (CUDA events on the current stream on a GPU, a
+   host clock on CPU), and takes, per iteration, the slowest rank's time (a collective is done when
+   its last rank is), then the median over iterations.
+
+Rank 0 writes OUT.json. The consistency check of :mod:`paratrain.comm` is off (``check=False``) for every
+algorithm, so only the collective itself is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain import comm
+from paratrain.comm._common import wait_all
+from paratrain.comm.cost import LinkModel, algbw, bus_factor, predict
+from paratrain.launch import record_errors
+from paratrain.runtime import Context, init, shutdown
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+def make_timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """``timer(fn) -> seconds``: CUDA events around ``fn`` on a GPU, ``perf_counter`` on CPU."""
+    if device.type == "cuda":
+
+        def cuda_timer(fn: Callable[[], Any]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return cuda_timer
+
+    def cpu_timer(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return cpu_timer
+
+
+def _median_time(
+    ctx: Context, timer: Callable[[Callable[[], Any]], float], fn: Callable[[], Any], reps: int
+) -> float:
+    times = []
+    for _ in range(reps):
+        ctx.barrier()
+        times.append(timer(fn))
+    return statistics.median(times)
+
+
+def calibrate(ctx: Context, timer: Callable[[Callable[[], Any]], float]) -> LinkModel:
+    """Ping-pong between ranks 0 and 1 for α and β, a local ``add_`` for γ; the result is broadcast."""
+    dev, rank = ctx.device, ctx.rank
+    small, big = torch.zeros(2, device=dev), torch.zeros(1 << 20, device=dev)  # 8 B and 4 MiB (float32)
+
+    def ping_pong(t: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            if rank == 0:
+                wait_all([dist.isend(t, 1)])
+                wait_all([dist.irecv(t, 1)])
+            elif rank == 1:
+                wait_all([dist.irecv(t, 0)])
+                wait_all([dist.isend(t, 0)])
+
+        return run
+
+    for t in (small, big):
+        ping_pong(t)()  # warm the connection
+    t_small = _median_time(ctx, timer, ping_pong(small), 30) / 2
+    t_big = _median_time(ctx, timer, ping_pong(big), 10) / 2
+    a, b = torch.zeros(1 << 22, device=dev), torch.ones(1 << 22, device=dev)
+    t_add = _median_time(ctx, timer, lambda: a.add_(b), 10)
+    measured = [t_small, max(t_big - t_small, 0.0) / big.nbytes, t_add / a.nbytes]
+    values = torch.tensor(measured, dtype=torch.float64, device=dev)
+    dist.broadcast(values, src=0)  # rank 0's measurement (ranks 2.. took no part in the ping-pong)
+    alpha, beta, gamma = values.cpu().tolist()
+    return LinkModel(alpha, beta, gamma)
+
+
+def make_input(
+    collective: str, nbytes: int, n: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This rank's input for a message of S = ``nbytes`` (rounded down to whole elements per rank)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    per_rank = max(1, nbytes // (item * n))
+    numel = per_rank if collective == "all_gather" else per_rank * n  # all_gather: S is the gathered array
+    return torch.zeros(numel, dtype=dtype, device=device)  # zeros: repeated in-place sums stay finite
+
+
+def message_bytes(collective: str, x: torch.Tensor, n: int) -> int:
+    return x.numel() * x.element_size() * (n if collective == "all_gather" else 1)
+
+
+def make_call(collective: str, algorithm: str, x: torch.Tensor, op: str) -> Callable[[], Any]:
+    if collective == "all_reduce":
+        return lambda: comm.all_reduce(x, op, algorithm, check=False)
+    if collective == "broadcast":
+        return lambda: comm.broadcast(x, 0, algorithm, check=False)
+    if collective == "reduce":
+        return lambda: comm.reduce(x, 0, op, algorithm, check=False)
+    if collective == "all_gather":
+        return lambda: comm.all_gather(x, algorithm, check=False)
+    if collective == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x, op, algorithm, check=False)
+    raise ValueError(f"cannot benchmark {collective!r}")
+
+
+def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
+    """Measure everything in ``spec``; every rank returns the same result dict."""
+    n, dtype, op = ctx.world_size, DTYPES[spec["dtype"]], spec["op"]
+    timer = make_timer(ctx.device)
+    model = calibrate(ctx, timer) if n > 1 else LinkModel(0.0, 0.0, 0.0)
+    rows = []
+    for collective in spec["collectives"]:
+        algorithms = [a for a in spec["algorithms"] if a in comm.ALGORITHMS[collective]]
+        for size in spec["sizes"]:
+            x = make_input(collective, size, n, dtype, ctx.device)
+            calls = {alg: make_call(collective, alg, x, op) for alg in algorithms}
+            times: dict[str, list[float]] = {alg: [] for alg in algorithms}
+            for it in range(spec["warmup"] + spec["iters"]):
+                for alg, call in calls.items():  # interleaved: every algorithm sees the same machine state
+                    ctx.barrier()
+                    t = timer(call)
+                    if it >= spec["warmup"]:
+                        times[alg].append(t)
+            # Per iteration, the slowest rank's time (a collective ends when its last rank does).
+            table = torch.tensor([times[a] for a in algorithms], dtype=torch.float64, device=ctx.device)
+            if n > 1:
+                dist.all_reduce(table, op=dist.ReduceOp.MAX)
+            nbytes = message_bytes(collective, x, n)
+            for alg, per_iter in zip(algorithms, table.cpu().tolist(), strict=True):
+                t = statistics.median(per_iter)
+                bw = algbw(nbytes, t)
+                rows.append(
+                    {
+                        "collective": collective,
+                        "algorithm": alg,
+                        "bytes": nbytes,
+                        "count": x.numel(),
+                        "time_s": t,
+                        "min_s": min(per_iter),
+                        "algbw_GBps": bw / 1e9,
+                        "busbw_GBps": bw * bus_factor(collective, n) / 1e9,
+                        "model_s": predict(collective, alg, n, nbytes, model),
+                    }
+                )
+            del x, calls
+    return {
+        "world_size": n,
+        "backend": ctx.backend or "none",
+        "device": str(ctx.device),
+        "dtype": spec["dtype"],
+        "op": op,
+        "iters": spec["iters"],
+        "warmup": spec["warmup"],
+        "model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta, "gamma_s_per_byte": model.gamma},
+        "results": rows,
+    }
+
+
+@record_errors
+def main(argv: list[str]) -> None:
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    ctx = init(backend=spec["backend"], device=spec["device"], timeout_s=spec["timeout_s"], seed=0)
+    torch.set_num_threads(1)
+    try:
+        result = run(spec, ctx)
+        if ctx.is_main:
+            tmp = out_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result, indent=1))
+            os.replace(tmp, out_path)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
