@@ -111,3 +111,20 @@ def test_features_match_single_process(dist_run: Any, tmp_path: Path) -> None:
     bf16 = got["mlp/ddp/bf16"]["losses"]
     fp32 = reference(make_cfg(*[o for o in CASES["mlp/ddp/bf16"] if "precision" not in o]))["losses"]
     assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(bf16, fp32, strict=True)) and bf16 != fp32
+
+
+def _cuda_cases(run_root: str) -> list[dict[str, Any]]:
+    return train_cases([CASES["cnn-bn/ddp"], CASES["cnn-bn/dp"], CASES["mlp/ddp/bf16"]], run_root)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL ddp/dp with torch's SyncBatchNorm)")
+def test_cuda_nccl_matches_single_process(tmp_path: Path) -> None:
+    """The same equivalence on NCCL: DDP with device_ids, dp's async NCCL buckets, torch's SyncBatchNorm kernel."""
+    from paratrain.testing import run_distributed
+
+    res = run_distributed(_cuda_cases, 2, args=(str(tmp_path),), backend="nccl", timeout_s=280)[0]
+    for name, got in zip(["cnn-bn/ddp", "cnn-bn/dp"], res[:2], strict=True):
+        assert_matches(got, reference(make_cfg(*CASES[name])), f"{name} on cuda", atol=1e-4, rtol=1e-3)
+    assert all(torch.isfinite(torch.tensor(res[2]["losses"])))
