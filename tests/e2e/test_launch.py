@@ -66,8 +66,3 @@ def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None
     assert summaries, [err for _, err in outs]
     s = summaries[0]
     assert s["world_size"] == 2 and s["steps"] == 4 and s["param_sha256"]
-    # the same job standalone on one node gives the same parameters
-    ref = last_json(run_cli("train", "--model", "mlp", "--data", "synthetic-classification", "--steps", "4",
-                            "--batch-size", "32", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "ref"),
-                            "--json", cwd=tmp_path).stdout)
-    assert ref["param_sha256"] == s["param_sha256"]

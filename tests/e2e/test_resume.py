@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,14 +16,27 @@ COMMON = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data
           "--set", "model.dropout=0.1", "--batch-size", "48", "--steps", "10", "--lr", "0.01", "--json"]
 
 
+def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
+    """The reference: the same job run in-process on every rank, never interrupted."""
+    from paratrain.config import RunConfig
+    from paratrain.runtime import init
+    from paratrain.worker import train
+
+    cfg = RunConfig.from_json(cfg_json)
+    ctx = init("gloo", "cpu", 60.0, cfg.train.seed)
+    return train(cfg, ctx, Path(run_dir)).summary()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path) -> None:
+def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, dist_run: Any) -> None:
     if strategy not in available_strategies():
         pytest.skip(f"strategy {strategy} is not registered in this build")
     args = [*COMMON, "--strategy", strategy, "--nproc-per-node", "2"]
-    ref = last_json(run_cli("train", *args, "--run-dir", str(tmp_path / "ref"), "--resume", "never",
-                            cwd=tmp_path, timeout=120).stdout)
+    from paratrain.cli import build_config, make_parser
+
+    cfg = build_config(make_parser().parse_args(["train", *args, "--resume", "never", "--run-dir", str(tmp_path / "ref")]))
+    ref = dist_run(_uninterrupted, 2, cfg.to_json(), str(tmp_path / "ref"), timeout_s=90)[0]
     proc = run_cli("train", *args, "--run-dir", str(tmp_path / "crash"), "--ckpt-every", "3",
                    "--fail-at-step", "5", "--fail-rank", "1", "--max-restarts", "2", cwd=tmp_path, timeout=180)
     got = last_json(proc.stdout)
