@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import tempfile
@@ -184,8 +183,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"paratrain bench comm: {result['world_size']} ranks, {result['backend']} on {result['device']}, "
         f"{result['dtype']}, op={result['op']}; median over {result['iters']} iterations (after "
         f"{result['warmup']} warm-up) of the slowest rank's time",
-        f"α–β model (ping-pong 0↔1, local add): α = {m['alpha_s'] * 1e6:.1f} us, β = {beta * 1e9:.3f} ns/B "
-        f"({(1 / beta / 1e9) if beta > 0 else math.inf:.2f} GB/s), γ = {m['gamma_s_per_byte'] * 1e9:.3f} ns/B",
+        f"α–β model: α = {m['alpha_s'] * 1e6:.1f} us (ping-pong), β = {beta * 1e9:.3f} ns/B = "
+        f"{_gbps(beta)} GB/s per link with all ranks sending (a lone ping-pong: "
+        f"{_gbps(m.get('beta_pingpong_s_per_byte', 0.0))} GB/s), γ = {m['gamma_s_per_byte'] * 1e9:.3f} ns/B",
     ]
     rows = result["results"]
     native = {(r["collective"], r["bytes"]): r["busbw_GBps"] for r in rows if r["algorithm"] == "native"}
@@ -208,6 +208,10 @@ def format_table(result: dict[str, Any]) -> str:
         parts = [f"{alg} at {', '.join(format_size(s) for s in sizes)}" for alg, sizes in by_alg.items()]
         lines.append(f"  {collective}: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def _gbps(beta: float) -> str:
+    return f"{1 / beta / 1e9:.2f}" if beta > 0 else "inf"
 
 
 def _factor_text(collective: str) -> str:

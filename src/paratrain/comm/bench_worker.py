@@ -3,8 +3,8 @@
 The parent (:mod:`paratrain.comm.bench`) validates the arguments, writes SPEC.json and starts N of these
 under the torch elastic agent. Each rank:
 
-1. calibrates the α–β–γ model: a ping-pong between group ranks 0 and 1 (α from 8-byte messages, β from
-   4 MiB ones) and a local timed ``add_`` (γ), medians of repeats;
+1. calibrates the α–β–γ model (:func:`calibrate`): α from an 8-byte ping-pong, β from a 4 MiB ring shift
+   with every rank sending at once, γ from a local ``add_``;
 2. for every collective and size, runs ``warmup`` untimed then ``iters`` timed iterations, with the
    algorithms *interleaved* (iteration i runs every algorithm once), so slow phases of a noisy machine
    hit all algorithms alike and the ratios between them stay fair;
@@ -78,10 +78,21 @@ def _median_time(
     return statistics.median(times)
 
 
-def calibrate(ctx: Context, timer: Callable[[Callable[[], Any]], float]) -> LinkModel:
-    """Ping-pong between ranks 0 and 1 for α and β, a local ``add_`` for γ; the result is broadcast."""
-    dev, rank = ctx.device, ctx.rank
+def calibrate(ctx: Context, timer: Callable[[Callable[[], Any]], float]) -> tuple[LinkModel, float]:
+    """Fit α, β, γ on this machine; returns the model and the ping-pong β (for reference).
+
+    - α: half the round trip of an 8-byte ping-pong between ranks 0 and 1.
+    - β: a *ring shift* of 4 MiB, every rank sending to its right neighbour at the same time, which is
+      how the ring and most steps of the other algorithms load the machine. On one host the "links"
+      share the CPUs and memory bandwidth, so this β is what a collective actually sees; a lone
+      ping-pong (also reported) is faster.
+    - γ: a local ``add_`` of two 16 MiB buffers, per byte.
+
+    Medians of repeats; the slowest rank's times; rank 0's values are broadcast.
+    """
+    dev, rank, n = ctx.device, ctx.rank, ctx.world_size
     small, big = torch.zeros(2, device=dev), torch.zeros(1 << 20, device=dev)  # 8 B and 4 MiB (float32)
+    incoming = torch.empty_like(big)
 
     def ping_pong(t: torch.Tensor) -> Callable[[], None]:
         def run() -> None:
@@ -94,17 +105,22 @@ def calibrate(ctx: Context, timer: Callable[[Callable[[], Any]], float]) -> Link
 
         return run
 
-    for t in (small, big):
-        ping_pong(t)()  # warm the connection
+    def ring_shift() -> None:
+        ops = [dist.P2POp(dist.isend, big, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+        wait_all(dist.batch_isend_irecv(ops))
+
+    for fn in (ping_pong(small), ping_pong(big), ring_shift):
+        fn()  # warm the connections
     t_small = _median_time(ctx, timer, ping_pong(small), 30) / 2
     t_big = _median_time(ctx, timer, ping_pong(big), 10) / 2
+    t_shift = _median_time(ctx, timer, ring_shift, 10)
     a, b = torch.zeros(1 << 22, device=dev), torch.ones(1 << 22, device=dev)
     t_add = _median_time(ctx, timer, lambda: a.add_(b), 10)
-    measured = [t_small, max(t_big - t_small, 0.0) / big.nbytes, t_add / a.nbytes]
+    measured = [t_small, t_shift - t_small, t_add / a.nbytes, t_big - t_small]
     values = torch.tensor(measured, dtype=torch.float64, device=dev)
-    dist.broadcast(values, src=0)  # rank 0's measurement (ranks 2.. took no part in the ping-pong)
-    alpha, beta, gamma = values.cpu().tolist()
-    return LinkModel(alpha, beta, gamma)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the slowest rank (ranks 2.. ran no ping-pong: zeros)
+    alpha, shift, gamma, pingpong = values.cpu().tolist()
+    return LinkModel(alpha, max(shift, 0.0) / big.nbytes, gamma), max(pingpong, 0.0) / big.nbytes
 
 
 def make_input(
@@ -139,7 +155,7 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
     """Measure everything in ``spec``; every rank returns the same result dict."""
     n, dtype, op = ctx.world_size, DTYPES[spec["dtype"]], spec["op"]
     timer = make_timer(ctx.device)
-    model = calibrate(ctx, timer) if n > 1 else LinkModel(0.0, 0.0, 0.0)
+    model, beta_pingpong = calibrate(ctx, timer) if n > 1 else (LinkModel(0.0, 0.0, 0.0), 0.0)
     rows = []
     for collective in spec["collectives"]:
         algorithms = [a for a in spec["algorithms"] if a in comm.ALGORITHMS[collective]]
@@ -183,7 +199,12 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
         "op": op,
         "iters": spec["iters"],
         "warmup": spec["warmup"],
-        "model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta, "gamma_s_per_byte": model.gamma},
+        "model": {
+            "alpha_s": model.alpha,
+            "beta_s_per_byte": model.beta,
+            "gamma_s_per_byte": model.gamma,
+            "beta_pingpong_s_per_byte": beta_pingpong,
+        },
         "results": rows,
     }
 
