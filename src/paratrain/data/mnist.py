@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,8 +21,9 @@ from paratrain.config import ConfigError, DataConfig
 from paratrain.data import Splits, TensorData, register_dataset, split_indices
 from paratrain.data.transforms import normalize, random_crop
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}  # fmt: skip
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {
+    code: np.dtype(t) for code, t in ((0x08, "u1"), (0x09, "i1"), (0x0B, ">i2"), (0x0C, ">i4"), (0x0D, ">f4"), (0x0E, ">f8"))
+}
 MEAN, STD = 0.1307, 0.3081
 
 
@@ -30,7 +32,7 @@ def read_idx(path: Path) -> np.ndarray:
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
         raise ConfigError(f"mnist: {str(path)!r} is not an IDX file (bad magic number {data[:4].hex()}).")
-    dtype = np.dtype(_IDX_DTYPES[data[2]])
+    dtype = _IDX_DTYPES[data[2]]
     ndim = data[3]
     header = 4 + 4 * ndim
     dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
