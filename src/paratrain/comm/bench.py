@@ -226,6 +226,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     collectives = list(dict.fromkeys(r["collective"] for r in result["results"]))
     fig, axes = plt.subplots(1, len(collectives), figsize=(6 * len(collectives), 4.2), squeeze=False)
@@ -236,7 +237,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=alg,
                     linestyle="--" if alg == "native" else "-")  # fmt: skip
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size S (bytes)")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(x)))
+        ax.set_xlabel("message size S")
         ax.set_ylabel("busbw (GB/s)")
         ax.set_title(f"{collective}, {result['world_size']} ranks, {result['backend']}/{result['device']}")
         ax.grid(True, which="both", alpha=0.3)
