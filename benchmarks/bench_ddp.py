@@ -6,9 +6,11 @@ blocks of ``--steps`` steps each, every block timed between barriers, median ste
 
 - **plain**: the hand-written loop of ``benchmarks/plain_ddp.py`` (torch DDP, nothing from paratrain);
 - **ddp**: paratrain's ``Trainer.train_step`` with ``--strategy ddp`` (sampler, precision, scheduler...);
-- **dp**: the same with ``--strategy dp`` and the native all-reduce (plus ``--algorithms`` if given).
+- **dp**: the same with ``--strategy dp`` and the native all-reduce (plus ``--algorithms`` if given);
+- **plain/2**: a second copy of plain, as a control: how far it lands from 1.000x is this run's noise.
 
-Reported: step time and its ratio to plain (targets: ddp within 3%, dp within 1.15x); a scaling table for
+Reported: step time and its ratio to plain (median over rounds of the per-round ratio), and the CPU
+time per step summed over ranks (steadier than wall time on a busy machine) (targets: ddp within 3%, dp within 1.15x); a scaling table for
 1, 2, 4 ranks (samples/s with the per-rank batch fixed, speedup, efficiency = speedup / N); and the split
 of a step into forward, backward, exposed communication and optimizer. Exposed communication = backward
 time minus the same backward under ``no_sync`` (pure compute), for every strategy alike; for ``dp`` the
@@ -99,7 +101,7 @@ def _loops(args: argparse.Namespace, names: list[str], run_dir: str) -> dict[str
     for name in names:
         strategy, _, algorithm = name.partition("/")
         ctx = init(seed=0)
-        if strategy == "plain":
+        if strategy == "plain":  # "plain" and "plain/2"
             out[name] = _plain_loop(args, ctx, run_dir)
             continue
         cfg = _cfg(strategy, algorithm or "native", args, ctx.world_size, run_dir)
@@ -110,16 +112,18 @@ def _loops(args: argparse.Namespace, names: list[str], run_dir: str) -> dict[str
     return out
 
 
-def _timed(fn: Callable[[], Any], steps: int, sync: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], Any], steps: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all threads) per step. CPU time excludes the time the
+    process waited for a core, so on a shared machine it shows the *work* a loop does far more steadily."""
     import torch.distributed as dist
 
     dist.barrier()
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         fn()
     sync()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def _phase_split(objs: Any, steps: int, sync: Callable[[], None]) -> dict[str, float]:
@@ -155,7 +159,9 @@ def _phase_split(objs: Any, steps: int, sync: Callable[[], None]) -> dict[str, f
         else:
             rows["backward_compute"].append(t2 - t1)
     med = {k: statistics.median(v) for k, v in rows.items() if v}
-    med["exposed_comm"] = max(0.0, med["backward"] - med["backward_compute"])
+    # each synchronised backward is paired with the no_sync backward right after it
+    diffs = [a - b for a, b in zip(rows["backward"], rows["backward_compute"], strict=True)]
+    med["exposed_comm"] = max(0.0, statistics.median(diffs))
     return med
 
 
@@ -174,14 +180,31 @@ def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool) ->
             for _ in range(args.warmup):
                 fn()
         times: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for n in order:
-                times[n].append(_timed(loops[n][0], args.steps, sync))
+                wall, c = _timed(loops[n][0], args.steps, sync)
+                times[n].append(wall)
+                cpu[n].append(c)
         split = {n: _phase_split(loops[n][1], args.split_steps, sync) for n in names} if with_split else {}
-    med = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    return {"step_s": dict(zip(names, med.tolist(), strict=True)), "split": split, "world_size": ctx.world_size}
+    # Per-block times, max over ranks (a step is as slow as its slowest rank), then per-loop medians and the
+    # median of *paired* ratios: blocks of one round ran back to back, so drifting machine load cancels.
+    t = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    med = t.median(dim=1).values.tolist()
+    paired = (t / t[0]).median(dim=1).values.tolist()
+    c = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(c)  # CPU seconds per step summed over ranks
+    cpu_med = c.median(dim=1).values
+    return {
+        "step_s": dict(zip(names, med, strict=True)),
+        "paired_ratio": dict(zip(names, paired, strict=True)),
+        "cpu_s": dict(zip(names, cpu_med.tolist(), strict=True)),
+        "cpu_ratio": dict(zip(names, (cpu_med / cpu_med[0]).tolist(), strict=True)),
+        "split": split,
+        "world_size": ctx.world_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="per-rank batch")
     p.add_argument("--steps", type=int, default=1, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=30, help="timed blocks per loop (rotating order)")
-    p.add_argument("--split-steps", type=int, default=10, help="steps of each phase-split measurement")
+    p.add_argument("--split-steps", type=int, default=20, help="steps of each phase-split measurement")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--world-size", type=int, default=2, help="ranks of the side-by-side comparison")
     p.add_argument("--scaling", default="1,2,4", help="rank counts of the scaling table ('' to skip)")
@@ -203,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from paratrain.testing import run_distributed
 
-    names = ["plain", "ddp", "dp"] + [f"dp/{a}" for a in args.algorithms.split(",") if a]
+    # "plain/2" is a second, identical plain loop: its ratio to "plain" is the noise floor of this run.
+    names = ["plain", "plain/2", "ddp", "dp"] + [f"dp/{a}" for a in args.algorithms.split(",") if a]
     side = run_distributed(_bench_rank, args.world_size, args=(args, names, True), timeout_s=1800)[0]
     plain = side["step_s"]["plain"]
     result: dict[str, Any] = {
@@ -212,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],  # other work on the machine distorts every number here
         "side_by_side": {
-            n: {"step_ms": 1e3 * t, "ratio_to_plain": t / plain} for n, t in side["step_s"].items()
+            n: {"step_ms": 1e3 * t, "ratio_of_medians": t / plain, "ratio_to_plain": side["paired_ratio"][n],
+                "cpu_ms": 1e3 * side["cpu_s"][n], "cpu_ratio": side["cpu_ratio"][n]}
+            for n, t in side["step_s"].items()
         },
         "split_ms": {n: {k: 1e3 * v for k, v in s.items()} for n, s in side["split"].items()},
         "scaling": [],
@@ -240,9 +266,10 @@ def _print(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"ResNet-18 (width {c['width']}), per-rank batch {c['batch']}, {c['world_size']} ranks, {r['device']} "
           f"({r['cpus']} cores, load {r['load_average_1m']:.1f}); median of {c['rounds']} blocks x {c['steps']} steps\n")  # fmt: skip
-    print(f"{'loop':<10} {'ms/step':>9} {'vs plain':>9}")
+    print(f"{'loop':<10} {'ms/step':>9} {'vs plain':>9} {'(ratio of medians)':>19} {'CPU ms/step':>12} {'CPU vs plain':>13}")
     for n, v in r["side_by_side"].items():
-        print(f"{n:<10} {v['step_ms']:>9.1f} {v['ratio_to_plain']:>8.3f}x")
+        print(f"{n:<10} {v['step_ms']:>9.1f} {v['ratio_to_plain']:>8.3f}x {v['ratio_of_medians']:>18.3f}x "
+              f"{v['cpu_ms']:>12.1f} {v['cpu_ratio']:>12.3f}x")  # fmt: skip
     print(f"\n{'loop':<10} {'forward':>8} {'backward':>9} {'exposed comm':>13} {'optimizer':>10}  (ms; dp wait)")
     for n, s in r["split_ms"].items():
         wait = f"  {s['dp_wait']:.1f}" if "dp_wait" in s else ""
