@@ -21,7 +21,7 @@ from paratrain.comm._common import chunk_bounds, peers
 from paratrain.testing import run_distributed
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.bfloat16]
-SHAPES = [(), (0,), (1,), (3,), (7,), (5, 3), (2, 0, 4), (3, 2, 5), (33,)]
+SHAPES = [(), (0,), (1,), (5, 3), (2, 0, 4), (3, 2, 5), (33,)]  # 0-d, empty, shorter than n, uneven
 NATIVE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,
@@ -56,37 +56,39 @@ def _same(a: Any, b: torch.Tensor, exact: bool) -> bool:
     return torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
 
 
-def _run_case(fn: str, alg: str, op: str, x: torch.Tensor, root: int, group: Any, exact: bool) -> str | None:
+def _run_case(
+    fn: str, alg: str, op: str, x: torch.Tensor, root: int, group: Any, exact: bool, check: bool = True
+) -> str | None:
     """Run one call of ``comm.<fn>`` and the native reference; return a description of a mismatch."""
     p = peers(fn, group)
     n, me = p.size, dist.get_rank()
     groot = p.group_rank(root, "root") if fn in ROOTED else 0
     if fn == "all_reduce":
         ref = _native_reduce_ref(x, op, group, n)
-        got = comm.all_reduce(x.clone(), op, alg, group)
+        got = comm.all_reduce(x.clone(), op, alg, group, check=check)
         ok = _same(got, ref, exact)
     elif fn == "reduce":
         ref = _native_reduce_ref(x, op, group, n)
         y = x.clone()
-        got = comm.reduce(y, root, op, alg, group)
+        got = comm.reduce(y, root, op, alg, group, check=check)
         ok = got is y and (_same(y, ref, exact) if p.rank == groot else alg == "native" or torch.equal(y, x))
     elif fn == "broadcast":
         ref = x.clone()
         dist.broadcast(ref, src=root, group=group)
         y = x.clone()
-        ok = comm.broadcast(y, root, alg, group) is y and _same(y, ref, True)
+        ok = comm.broadcast(y, root, alg, group, check=check) is y and _same(y, ref, True)
     elif fn == "all_gather":
         parts = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        ok = _same(comm.all_gather(x, alg, group), torch.cat(parts), True)
+        ok = _same(comm.all_gather(x, alg, group, check=check), torch.cat(parts), True)
     elif fn == "reduce_scatter":
         ref = torch.tensor_split(_native_reduce_ref(x, op, group, n), n)[p.rank]
         before = x.clone()
-        ok = _same(comm.reduce_scatter(x, op, alg, group), ref, exact) and torch.equal(x, before)
+        ok = _same(comm.reduce_scatter(x, op, alg, group, check=check), ref, exact) and torch.equal(x, before)
     elif fn == "gather":
         parts = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        got = comm.gather(x, root, alg, group)
+        got = comm.gather(x, root, alg, group, check=check)
         if p.rank != groot:
             ok = got is None
         else:
@@ -139,7 +141,8 @@ def check_world(members: list[int] | None = None) -> dict[str, Any]:
             x = _data(shape, dtype, op, seed=1000 * i + p.rank)
             if shape == (5, 3) and fn in ("broadcast", "reduce", "all_reduce"):
                 x = x.t()  # non-contiguous, in place: written back through a copy
-            failures.append(_run_case(fn, alg, op if op != "-" else "sum", x, root, group, exact=True))
+            # The consistency check (one extra collective) on every third call: it must not change results.
+            failures.append(_run_case(fn, alg, op if op != "-" else "sum", x, root, group, True, i % 3 == 0))
             count += 1
         if op in ("sum", "mean", "-"):  # random floats: any reduction order, tolerance
             x = torch.randn(6, 5, generator=torch.Generator().manual_seed(7 + p.rank))
@@ -190,7 +193,7 @@ def test_every_function_matches_native(world_size: int) -> None:
     results = run_distributed(check_world, world_size, timeout_s=110)
     for r in results:
         assert r["failures"] == []
-        assert r["count"] > 500
+        assert r["count"] > 400
 
 
 @pytest.mark.dist
@@ -201,7 +204,7 @@ def test_subgroup_uses_global_src_dst() -> None:
     assert results[0]["count"] == 0
     for r in results[1:]:
         assert r["failures"] == []
-        assert r["count"] > 500
+        assert r["count"] > 400
 
 
 def seed_example(algorithm: str) -> dict[str, float]:
