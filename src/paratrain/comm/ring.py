@@ -18,8 +18,11 @@ Each rank sends 2(n−1) chunks of S/n bytes, i.e. 2(n−1)/n · S: the bandwidt
 the one reduced at step t−1, so the loop does not wait for a whole chunk: as soon as piece j of step
 t−1 has landed and been reduced, piece j of step t is sent on. Reducing piece j overlaps the transfer
 of pieces j+1.. (Gloo moves bytes on its own threads; NCCL on its own stream), and the first bytes of a
-chunk travel on before its last bytes arrived. Receives for the reduce-scatter land in two alternating
-scratch buffers (chunk-sized, allocated once); the all-gather receives in place. No other copies.
+chunk travel on before its last bytes arrived. Reduce-scatter receives land in a small window of
+piece-sized scratch slots reused round-robin (``SCRATCH_BYTES``, however large the tensor, so no fresh
+pages are faulted in per call); all-gather receives land in place. No other copies. On Gloo receives
+are posted ahead of the matching sends (a receive posted late costs Gloo a handshake round trip); on
+NCCL each send is grouped with its receive (``batch_isend_irecv``).
 
 α–β costs (n ranks, S bytes, P pieces per chunk; α per message, β per byte, γ per byte reduced):
 
@@ -82,7 +85,7 @@ def ring(
     # one step ahead of the landing, so it needs two chunks' worth of slots.
     piece_max = max(b - a for chunk in pieces for a, b in chunk)
     slots = 2 * npieces if peers.batched else min(2 * npieces, max(2, scratch_bytes // max(1, piece_bytes)))
-    scratch = torch.empty(slots, piece_max, dtype=flat.dtype, device=flat.device)
+    scratch = torch.empty(slots if reduce_scatter else 0, piece_max, dtype=flat.dtype, device=flat.device)
     sends: dict[tuple[int, int], list[Any]] = {}
     recvs: dict[tuple[int, int], list[Any]] = {}
 
