@@ -114,7 +114,18 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_file, tuple(args), dict(kwargs or {}), env, backend, timeout_s, out),
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    init_file,
+                    tuple(args),
+                    dict(kwargs or {}),
+                    env,
+                    backend,
+                    timeout_s,
+                    out,
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -135,7 +146,9 @@ def run_distributed(
                 try:
                     rank, status, payload = out.get(timeout=min(remaining, 0.5))
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                    dead = [
+                        r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results
+                    ]
                     if dead:
                         raise RuntimeError(
                             f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before returning"

@@ -77,7 +77,7 @@ def split_indices(n: int, test_fraction: float, seed: int = 1234) -> tuple[torch
     """A deterministic shuffled train/test split of ``range(n)`` (same on every rank and every run)."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=g)
-    n_test = max(1, int(round(n * test_fraction)))
+    n_test = max(1, round(n * test_fraction))
     return perm[n_test:], perm[:n_test]
 
 

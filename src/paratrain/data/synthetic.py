@@ -15,8 +15,13 @@ def classification(cfg: DataConfig) -> Splits:
     y = torch.randint(0, cfg.num_classes, (cfg.num_samples,), generator=g)
     x = centers[y] + torch.randn(cfg.num_samples, cfg.num_features, generator=g)
     tr, te = split_indices(cfg.num_samples, cfg.test_fraction)
-    return Splits(TensorData(x[tr], y[tr]), TensorData(x[te], y[te]), "classification",
-                  (cfg.num_features,), cfg.num_classes)
+    return Splits(
+        TensorData(x[tr], y[tr]),
+        TensorData(x[te], y[te]),
+        "classification",
+        (cfg.num_features,),
+        cfg.num_classes,
+    )
 
 
 @register_dataset("synthetic-regression")

@@ -30,7 +30,9 @@ class ConvBlock(nn.Module):
 
 
 class CNN(nn.Module):
-    def __init__(self, in_channels: int, channels: int, num_outputs: int, batchnorm: bool, dropout: float) -> None:
+    def __init__(
+        self, in_channels: int, channels: int, num_outputs: int, batchnorm: bool, dropout: float
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             [ConvBlock(in_channels, channels, batchnorm), ConvBlock(channels, 2 * channels, batchnorm)]
@@ -48,5 +50,7 @@ class CNN(nn.Module):
 @register_model("cnn")
 def cnn(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
     if len(input_shape) != 3:
-        raise ValueError(f"model 'cnn' needs image inputs (C, H, W), got shape {input_shape}: use --model mlp")
+        raise ValueError(
+            f"model 'cnn' needs image inputs (C, H, W), got shape {input_shape}: use --model mlp"
+        )
     return CNN(input_shape[0], cfg.channels, num_outputs, cfg.batchnorm, cfg.dropout)

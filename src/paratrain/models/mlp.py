@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -25,7 +26,7 @@ class MLP(nn.Module):
     def __init__(self, d_in: int, hidden: int, layers: int, num_outputs: int, dropout: float = 0.0) -> None:
         super().__init__()
         dims = [d_in] + [hidden] * layers
-        self.blocks = nn.ModuleList(MLPBlock(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        self.blocks = nn.ModuleList(MLPBlock(a, b) for a, b in itertools.pairwise(dims))
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(hidden, num_outputs)
 
