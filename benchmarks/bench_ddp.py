@@ -126,43 +126,53 @@ def _timed(fn: Callable[[], Any], steps: int, sync: Callable[[], None]) -> tuple
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
-def _phase_split(objs: Any, steps: int, sync: Callable[[], None]) -> dict[str, float]:
-    """Median seconds of forward, backward, exposed communication and optimizer over ``steps`` steps."""
+def _phase_step(objs: Any, communicate: bool, sync: Callable[[], None], rows: dict[str, list[float]]) -> None:
+    """One step timed phase by phase; ``communicate=False`` runs backward under ``no_sync`` (pure compute)."""
     import torch.distributed as dist
 
     model, opt, strategy, x, y = objs
     no_sync = strategy.no_sync if strategy is not None else (lambda m: m.no_sync())
     reducer = getattr(strategy, "reducer", None)
-    rows: dict[str, list[float]] = {"forward": [], "backward": [], "backward_compute": [], "optimizer": [], "dp_wait": []}
-    for i in range(2 * steps):
-        communicate = i % 2 == 0
-        dist.barrier()
-        wait0 = reducer.wait_s if reducer is not None else 0.0
-        opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    wait0 = reducer.wait_s if reducer is not None else 0.0
+    opt.zero_grad(set_to_none=True)
+    sync()
+    t0 = time.perf_counter()
+    with contextlib.nullcontext() if communicate else no_sync(model):
+        loss = nn.functional.cross_entropy(model(x), y)
         sync()
-        t0 = time.perf_counter()
-        with contextlib.nullcontext() if communicate else no_sync(model):
-            loss = nn.functional.cross_entropy(model(x), y)
-            sync()
-            t1 = time.perf_counter()
-            loss.backward()
-            sync()
-            t2 = time.perf_counter()
-        if communicate:  # replicas stay identical: the optimizer only steps on synchronised gradients
-            opt.step()
-            sync()
-            rows["optimizer"].append(time.perf_counter() - t2)
-            rows["backward"].append(t2 - t1)
-            rows["forward"].append(t1 - t0)
-            if reducer is not None:
-                rows["dp_wait"].append(reducer.wait_s - wait0)
-        else:
-            rows["backward_compute"].append(t2 - t1)
-    med = {k: statistics.median(v) for k, v in rows.items() if v}
-    # each synchronised backward is paired with the no_sync backward right after it
-    diffs = [a - b for a, b in zip(rows["backward"], rows["backward_compute"], strict=True)]
-    med["exposed_comm"] = max(0.0, statistics.median(diffs))
-    return med
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+    if not communicate:
+        rows["backward_compute"].append(t2 - t1)
+        return
+    opt.step()  # replicas stay identical: the optimizer only steps on synchronised gradients
+    sync()
+    rows["optimizer"].append(time.perf_counter() - t2)
+    rows["backward"].append(t2 - t1)
+    rows["forward"].append(t1 - t0)
+    if reducer is not None:
+        rows["dp_wait"].append(reducer.wait_s - wait0)
+
+
+def _phase_split(loops: dict[str, Any], steps: int, sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Median seconds of forward, backward, exposed communication and optimizer per loop. The loops take
+    turns step by step (as in the step-time measurement), so load drift hits them alike."""
+    names = list(loops)
+    rows = {n: {k: [] for k in ("forward", "backward", "backward_compute", "optimizer", "dp_wait")} for n in names}
+    for i in range(2 * steps):
+        for n in names[i % len(names) :] + names[: i % len(names)]:
+            # a synchronised step, then the same step under no_sync: one pair per exposed-comm sample
+            _phase_step(loops[n][1], i % 2 == 0, sync, rows[n])
+    out = {}
+    for n in names:
+        med = {k: statistics.median(v) for k, v in rows[n].items() if v}
+        diffs = [a - b for a, b in zip(rows[n]["backward"], rows[n]["backward_compute"], strict=True)]
+        med["exposed_comm"] = max(0.0, statistics.median(diffs))
+        out[n] = med
+    return out
 
 
 def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool) -> dict[str, Any]:
@@ -187,7 +197,7 @@ def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool) ->
                 wall, c = _timed(loops[n][0], args.steps, sync)
                 times[n].append(wall)
                 cpu[n].append(c)
-        split = {n: _phase_split(loops[n][1], args.split_steps, sync) for n in names} if with_split else {}
+        split = _phase_split(loops, args.split_steps, sync) if with_split else {}
     # Per-block times, max over ranks (a step is as slow as its slowest rank), then per-loop medians and the
     # median of *paired* ratios: blocks of one round ran back to back, so drifting machine load cancels.
     t = torch.tensor([times[n] for n in names], dtype=torch.float64)
