@@ -70,8 +70,9 @@ def reference(cfg: RunConfig) -> dict[str, Any]:
 
 def train_cases(cases: list[list[str]], run_root: str) -> list[dict[str, Any]]:
     """Run on every rank: train each config through the real worker path (features, strategy, Trainer)."""
+    from paratrain.parallel import canonical_name
     from paratrain.runtime import init
-    from paratrain.train.trainer import canonical_name, full_parameters
+    from paratrain.train.trainer import full_parameters
     from paratrain.worker import build_trainer
 
     out = []

@@ -193,7 +193,7 @@ def rebind_optimizer(
     """
     if optimizer is None:
         return None
-    current = {_canonical(n): p for n, p in model.named_parameters()}
+    current = {canonical_name(n): p for n, p in model.named_parameters()}
     groups, changed = [], False
     for g in optimizer.param_groups:
         params = []
@@ -219,13 +219,18 @@ def rebind_optimizer(
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """``id(param) -> name`` (wrapper prefixes removed), to hand to :func:`rebind_optimizer` after wrapping."""
-    return {id(p): _canonical(n) for n, p in model.named_parameters()}
+    return {id(p): canonical_name(n) for n, p in model.named_parameters()}
 
 
-def _canonical(name: str) -> str:
-    for prefix in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+def canonical_name(name: str) -> str:
+    """Parameter name without wrapper prefixes (DDP ``module.``, compile, activation checkpointing)."""
+    # Whole dotted components only: a substring replace of "module." would also cut the tail of
+    # "_checkpoint_wrapped_module." (leaving "_checkpoint_wrapped_"). DDP's "module" is only ever first.
+    parts = name.split(".")
+    if parts and parts[0] == "module":
+        parts = parts[1:]
+    wrappers = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+    return ".".join(p for p in parts if p not in wrappers)
 
 
 # ---- measurement helpers shared by all strategies --------------------------------------------------------

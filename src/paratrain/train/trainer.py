@@ -34,7 +34,7 @@ from paratrain.checkpoint.lifecycle import RunLifecycle
 from paratrain.config import RunConfig
 from paratrain.data import DistributedBatchSampler, Splits
 from paratrain.diagnose.faults import peer_guard
-from paratrain.parallel import Strategy, model_state_bytes
+from paratrain.parallel import Strategy, canonical_name, model_state_bytes
 from paratrain.runtime import Context, get_logger
 from paratrain.train.metrics import MetricsWriter
 from paratrain.train.precision import Precision
@@ -87,17 +87,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_step
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def canonical_name(name: str) -> str:
-    """Parameter name without wrapper prefixes (DDP ``module.``, compile, activation checkpointing)."""
-    # Whole dotted components only: a substring replace of "module." would also cut the tail of
-    # "_checkpoint_wrapped_module." (leaving "_checkpoint_wrapped_"). DDP's "module" is only ever first.
-    parts = name.split(".")
-    if parts and parts[0] == "module":
-        parts = parts[1:]
-    wrappers = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-    return ".".join(p for p in parts if p not in wrappers)
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
