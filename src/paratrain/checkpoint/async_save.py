@@ -64,7 +64,7 @@ class AsyncSaver:
             no_dist=not self.ctx.distributed,
         )
         upload = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse when a stager returns a future
-        self._pending = (upload, tmp, final)
+        self._pending = (upload, tmp, final)  # type: ignore[assignment]
 
     def poll(self) -> BaseException | None:
         """Non-blocking: commit a finished save; return (and remember) the error of a failed one."""

@@ -77,9 +77,10 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` refuses anything but DCP's own metadata classes."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(self.path)
+        md = read_metadata(Path(self.path))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
+        assert md.storage_meta is not None
         md.storage_meta.load_id = self.load_id
         return md
 

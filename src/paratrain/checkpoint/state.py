@@ -20,7 +20,7 @@ FORMAT_VERSION = 1
 
 def rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, torch.Tensor]:
     """Python, NumPy, torch CPU, the current CUDA device, and any named extra generators, as tensors."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_state = random.getstate()
     state = {
         "torch_cpu": torch.get_rng_state(),

@@ -265,7 +265,7 @@ def model_state_bytes(model: nn.Module, optimizer: Any) -> int:
         t = _local(t)
         if t.device.type == "meta":
             return
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if key in seen and t.numel() > 0:
             return
         seen.add(key)

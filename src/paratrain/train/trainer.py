@@ -97,9 +97,9 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     order = [canonical_name(n) for n, _ in model.named_parameters()]
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name in order:
-        t = sd[name]
+        t: Any = sd[name]
         out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
     return out
 
@@ -278,9 +278,9 @@ class Trainer:
                     )
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                     e0 = time.perf_counter()
-                    acc, eloss = self.evaluate()
+                    acc_i, eloss_i = self.evaluate()
                     eval_time += time.perf_counter() - e0
-                    self.metrics.write({"step": self.step, "eval_accuracy": acc, "eval_loss": eloss})
+                    self.metrics.write({"step": self.step, "eval_accuracy": acc_i, "eval_loss": eloss_i})
                 e0 = time.perf_counter()
                 # async-save poll, fault injection, coordinated stop on a signal, periodic save
                 stop = self.lifecycle.after_step()
@@ -295,7 +295,9 @@ class Trainer:
         steps_run = self.step - start_step
         samples_per_s = steps_run * t.batch_size / train_time if steps_run and train_time > 0 else None
         self.flush_losses()
-        acc, eloss = (None, None) if self.lifecycle.stopped_by else self.evaluate()
+        acc, eloss = None, None
+        if not self.lifecycle.stopped_by:  # a signal-stopped run skips evaluation to exit quickly
+            acc, eloss = self.evaluate()
         self.metrics.write({"step": self.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True})
         ckpt_path = self.lifecycle.finish(steps_run)  # final save, and wait for any async save in flight
         state_bytes = torch.tensor([model_state_bytes(self.model, self.optimizer)], dtype=torch.int64)
