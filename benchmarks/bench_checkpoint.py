@@ -70,7 +70,11 @@ def _bench_rank(root: str, size_mb: int, saves: int) -> dict[str, Any]:
         mgr.close()
         step = Path(root) / mode / f"step_{saves:08d}"
         nbytes = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
-        out[mode] = {"blocked_s": statistics.median(blocked), "save_s": statistics.median(total), "bytes": nbytes}
+        out[mode] = {
+            "blocked_s": statistics.median(blocked),
+            "save_s": statistics.median(total),
+            "bytes": nbytes,
+        }
     return out
 
 
@@ -89,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the disk is measured before and after the saves (3 times in all; a shared VM disk is noisy)
         disks = [disk_write_gbps(base, args.size_mb << 20) for _ in range(2)]
-        r = run_distributed(_bench_rank, args.world_size, args=(str(base), args.size_mb, args.saves),
-                            timeout_s=600)[0]
+        r = run_distributed(
+            _bench_rank, args.world_size, args=(str(base), args.size_mb, args.saves), timeout_s=600
+        )[0]
         disks.append(disk_write_gbps(base, args.size_mb << 20))
         disk = statistics.median(disks)
     finally:
@@ -98,20 +103,36 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in ("sync", "async"):
         m = r[mode]
-        rows.append({"mode": mode, "checkpoint_mb": m["bytes"] / 2**20, "save_s": m["save_s"],
-                     "blocked_s": m["blocked_s"], "save_gbps": m["bytes"] / m["save_s"] / 1e9,
-                     "vs_disk": m["bytes"] / m["save_s"] / 1e9 / disk})
-    result = {"disk_seq_write_gbps": disk, "disk_runs_gbps": disks, "world_size": args.world_size, "rows": rows,
-              "async_blocked_vs_sync": rows[1]["blocked_s"] / rows[0]["blocked_s"]}
+        rows.append(
+            {
+                "mode": mode,
+                "checkpoint_mb": m["bytes"] / 2**20,
+                "save_s": m["save_s"],
+                "blocked_s": m["blocked_s"],
+                "save_gbps": m["bytes"] / m["save_s"] / 1e9,
+                "vs_disk": m["bytes"] / m["save_s"] / 1e9 / disk,
+            }
+        )
+    result = {
+        "disk_seq_write_gbps": disk,
+        "disk_runs_gbps": disks,
+        "world_size": args.world_size,
+        "rows": rows,
+        "async_blocked_vs_sync": rows[1]["blocked_s"] / rows[0]["blocked_s"],
+    }
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"disk sequential write (1 process, fsync): median {disk:.2f} GB/s of "
-          f"{', '.join(f'{d:.2f}' for d in disks)}; world size {args.world_size}")
+    print(
+        f"disk sequential write (1 process, fsync): median {disk:.2f} GB/s of "
+        f"{', '.join(f'{d:.2f}' for d in disks)}; world size {args.world_size}"
+    )
     print(f"{'mode':>6} {'ckpt MiB':>9} {'save s':>8} {'blocked s':>10} {'GB/s':>6} {'vs disk':>8}")
     for row in rows:
-        print(f"{row['mode']:>6} {row['checkpoint_mb']:>9.1f} {row['save_s']:>8.3f} {row['blocked_s']:>10.3f} "
-              f"{row['save_gbps']:>6.2f} {row['vs_disk']:>7.0%}")
+        print(
+            f"{row['mode']:>6} {row['checkpoint_mb']:>9.1f} {row['save_s']:>8.3f} {row['blocked_s']:>10.3f} "
+            f"{row['save_gbps']:>6.2f} {row['vs_disk']:>7.0%}"
+        )
     print(f"training blocked per save: async / sync = {result['async_blocked_vs_sync']:.2f}")
     return 0
 

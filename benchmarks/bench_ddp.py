@@ -92,7 +92,9 @@ def _plain_loop(args: argparse.Namespace, ctx: Any, run_dir: str) -> tuple[Calla
     return step, (model, opt, None, x, y)
 
 
-def _loops(args: argparse.Namespace, names: list[str], run_dir: str) -> dict[str, tuple[Callable[[], Any], Any]]:
+def _loops(
+    args: argparse.Namespace, names: list[str], run_dir: str
+) -> dict[str, tuple[Callable[[], Any], Any]]:
     """name -> (one training step, (model, optimizer, strategy or None, x, y) for the phase split)."""
     from paratrain.runtime import init
     from paratrain.worker import build_trainer
@@ -161,7 +163,9 @@ def _phase_split(loops: dict[str, Any], steps: int, sync: Callable[[], None]) ->
     """Median seconds of forward, backward, exposed communication and optimizer per loop. The loops take
     turns step by step (as in the step-time measurement), so load drift hits them alike."""
     names = list(loops)
-    rows = {n: {k: [] for k in ("forward", "backward", "backward_compute", "optimizer", "dp_wait")} for n in names}
+    rows = {
+        n: {k: [] for k in ("forward", "backward", "backward_compute", "optimizer", "dp_wait")} for n in names
+    }
     for i in range(2 * steps):
         for n in names[i % len(names) :] + names[: i % len(names)]:
             # a synchronised step, then the same step under no_sync: one pair per exposed-comm sample
@@ -232,7 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.width, args.batch, args.rounds, args.split_steps, args.warmup, args.scaling = 8, 8, 4, 2, 1, "1,2"
+        args.width, args.batch, args.rounds, args.split_steps, args.warmup, args.scaling = (
+            8,
+            8,
+            4,
+            2,
+            1,
+            "1,2",
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from paratrain.testing import run_distributed
 
@@ -246,8 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],  # other work on the machine distorts every number here
         "side_by_side": {
-            n: {"step_ms": 1e3 * t, "ratio_of_medians": t / plain, "ratio_to_plain": side["paired_ratio"][n],
-                "cpu_ms": 1e3 * side["cpu_s"][n], "cpu_ratio": side["cpu_ratio"][n]}
+            n: {
+                "step_ms": 1e3 * t,
+                "ratio_of_medians": t / plain,
+                "ratio_to_plain": side["paired_ratio"][n],
+                "cpu_ms": 1e3 * side["cpu_s"][n],
+                "cpu_ratio": side["cpu_ratio"][n],
+            }
             for n, t in side["step_s"].items()
         },
         "split_ms": {n: {k: 1e3 * v for k, v in s.items()} for n, s in side["split"].items()},
@@ -276,11 +292,15 @@ def _print(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"ResNet-18 (width {c['width']}), per-rank batch {c['batch']}, {c['world_size']} ranks, {r['device']} "
           f"({r['cpus']} cores, load {r['load_average_1m']:.1f}); median of {c['rounds']} blocks x {c['steps']} steps\n")  # fmt: skip
-    print(f"{'loop':<10} {'ms/step':>9} {'vs plain':>9} {'(ratio of medians)':>19} {'CPU ms/step':>12} {'CPU vs plain':>13}")
+    print(
+        f"{'loop':<10} {'ms/step':>9} {'vs plain':>9} {'(ratio of medians)':>19} {'CPU ms/step':>12} {'CPU vs plain':>13}"
+    )
     for n, v in r["side_by_side"].items():
         print(f"{n:<10} {v['step_ms']:>9.1f} {v['ratio_to_plain']:>8.3f}x {v['ratio_of_medians']:>18.3f}x "
               f"{v['cpu_ms']:>12.1f} {v['cpu_ratio']:>12.3f}x")  # fmt: skip
-    print(f"\n{'loop':<10} {'forward':>8} {'backward':>9} {'exposed comm':>13} {'optimizer':>10}  (ms; dp wait)")
+    print(
+        f"\n{'loop':<10} {'forward':>8} {'backward':>9} {'exposed comm':>13} {'optimizer':>10}  (ms; dp wait)"
+    )
     for n, s in r["split_ms"].items():
         wait = f"  {s['dp_wait']:.1f}" if "dp_wait" in s else ""
         print(f"{n:<10} {s['forward']:>8.1f} {s['backward_compute']:>9.1f} {s['exposed_comm']:>13.1f} "

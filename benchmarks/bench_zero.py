@@ -37,8 +37,12 @@ _DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "lo
 
 def formula_bytes(name: str, psi: int, n: int) -> float:
     """fp32 AdamW model-state bytes per rank (ZeRO paper section 5 with 4 + 4 + 8 bytes per parameter)."""
-    return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n,
-            "zero3": 16 * psi / n}[name]
+    return {
+        "ddp": 16 * psi,
+        "zero1": 8 * psi + 8 * psi / n,
+        "zero2": 4 * psi + 12 * psi / n,
+        "zero3": 16 * psi / n,
+    }[name]
 
 
 def formula_comm(name: str, psi: int, n: int, elem: int = 4) -> float:
@@ -57,8 +61,13 @@ def _sent_bytes(events: list[dict[str, Any]], n: int) -> tuple[int, dict[str, in
         dims, types = args.get("Input Dims", []), args.get("Input type", [])
         op = name.split("::")[1].rstrip("_")
         counts[op] = counts.get(op, 0) + 1
-        if op in ("allreduce", "_reduce_scatter_base", "_allgather_base", "reduce_scatter_tensor_coalesced",
-                  "allgather_into_tensor_coalesced"):
+        if op in (
+            "allreduce",
+            "_reduce_scatter_base",
+            "_allgather_base",
+            "reduce_scatter_tensor_coalesced",
+            "allgather_into_tensor_coalesced",
+        ):
             if op == "allreduce":  # (TensorList, ...)
                 numel = sum(_numel(d) for d in dims[0])
                 elem = _DTYPE_BYTES.get(types[0], 4) if types and types[0] != "TensorList" else 4
@@ -122,9 +131,16 @@ def _prepare(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     sent, counts = _sent_bytes(events, n)
     sent_t = torch.tensor([sent])
     dist.all_reduce(sent_t, op=dist.ReduceOp.MAX)
-    row = {"strategy": name, "world_size": n, "psi": psi, "bytes": int(held),
-           "formula_bytes": formula_bytes(name, psi, n), "comm_bytes": int(sent_t),
-           "formula_comm": formula_comm(name, psi, n), "collectives": counts}
+    row = {
+        "strategy": name,
+        "world_size": n,
+        "psi": psi,
+        "bytes": int(held),
+        "formula_bytes": formula_bytes(name, psi, n),
+        "comm_bytes": int(sent_t),
+        "formula_comm": formula_comm(name, psi, n),
+        "collectives": counts,
+    }
     return row, step
 
 
@@ -174,15 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"psi": rows[0]["psi"], "rows": rows}))
         return 0
-    print(f"model: MLP {args.features}->{args.hidden}x{args.layers}->10, Ψ = {rows[0]['psi']:,} parameters, "
-          f"fp32 AdamW, global batch {args.batch}, Gloo on CPU ({os.cpu_count()} cores)")
-    print(f"{'strategy':8} {'N':>2} {'MiB/rank':>9} {'formula':>9} {'ratio':>6} {'comm MiB':>9} {'formula':>8} "
-          f"{'ratio':>6} {'ms/step':>8} {'vs ddp':>6}")
+    print(
+        f"model: MLP {args.features}->{args.hidden}x{args.layers}->10, Ψ = {rows[0]['psi']:,} parameters, "
+        f"fp32 AdamW, global batch {args.batch}, Gloo on CPU ({os.cpu_count()} cores)"
+    )
+    print(
+        f"{'strategy':8} {'N':>2} {'MiB/rank':>9} {'formula':>9} {'ratio':>6} {'comm MiB':>9} {'formula':>8} "
+        f"{'ratio':>6} {'ms/step':>8} {'vs ddp':>6}"
+    )
     for r in rows:
         comm_ratio = f"{r['comm_ratio']:.3f}" if r["comm_ratio"] is not None else "-"
-        print(f"{r['strategy']:8} {r['world_size']:>2} {r['bytes'] / 2**20:9.2f} {r['formula_bytes'] / 2**20:9.2f} "
-              f"{r['bytes_ratio']:6.3f} {r['comm_bytes'] / 2**20:9.2f} {r['formula_comm'] / 2**20:8.2f} {comm_ratio:>6} "
-              f"{r['step_s'] * 1e3:8.1f} {r['step_ratio_vs_ddp']:6.2f}")
+        print(
+            f"{r['strategy']:8} {r['world_size']:>2} {r['bytes'] / 2**20:9.2f} {r['formula_bytes'] / 2**20:9.2f} "
+            f"{r['bytes_ratio']:6.3f} {r['comm_bytes'] / 2**20:9.2f} {r['formula_comm'] / 2**20:8.2f} {comm_ratio:>6} "
+            f"{r['step_s'] * 1e3:8.1f} {r['step_ratio_vs_ddp']:6.2f}"
+        )
     return 0
 
 

@@ -22,7 +22,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def build(model: nn.Module, device: torch.device, lr: float = 0.01) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    model: nn.Module, device: torch.device, lr: float = 0.01
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = model.to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)

@@ -30,20 +30,33 @@ p.add_argument("--data-dir", help="directory with the MNIST IDX files (default: 
 p.add_argument("--epochs", type=int, default=4)
 p.add_argument("--batch-size", type=int, default=64, help="global batch size")
 p.add_argument("--lr", type=float, default=3e-3)
-p.add_argument("--offload", action="store_true", help="keep sharded state on the CPU (FSDP2 CPUOffloadPolicy)")
+p.add_argument(
+    "--offload", action="store_true", help="keep sharded state on the CPU (FSDP2 CPUOffloadPolicy)"
+)
 p.add_argument("--bf16", action="store_true", help="bf16 compute and gradient reduction, fp32 master weights")
 p.add_argument("--save-model", help="write the full (unsharded) state dict here on rank 0")
 args = p.parse_args()
 
 ctx = paratrain.init(seed=1)  # same seed everywhere: every rank builds the same model before sharding
-data = build_dataset(DataConfig(name="mnist", path=args.data_dir) if args.data_dir else DataConfig(name="digits"))
-model = build_model(ModelConfig(name="cnn"), data.input_shape, data.num_outputs)  # model.blocks: the shard units
+data = build_dataset(
+    DataConfig(name="mnist", path=args.data_dir) if args.data_dir else DataConfig(name="digits")
+)
+model = build_model(
+    ModelConfig(name="cnn"), data.input_shape, data.num_outputs
+)  # model.blocks: the shard units
 num_params = count_parameters(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # created before sharding: setup() rebinds it
 model, optimizer, strategy = paratrain.setup(
-    model, optimizer, strategy="zero3", ctx=ctx, offload=args.offload, mixed_precision="bf16" if args.bf16 else "fp32"
+    model,
+    optimizer,
+    strategy="zero3",
+    ctx=ctx,
+    offload=args.offload,
+    mixed_precision="bf16" if args.bf16 else "fp32",
 )
-sampler = DistributedBatchSampler(len(data.train), args.batch_size, strategy.dp_rank, strategy.dp_size, seed=1)
+sampler = DistributedBatchSampler(
+    len(data.train), args.batch_size, strategy.dp_rank, strategy.dp_size, seed=1
+)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)  # per epoch, as in the recipe
 
 
@@ -66,12 +79,17 @@ for epoch in range(1, args.epochs + 1):
         optimizer.step()  # local shards only, no communication
     scheduler.step()
     test_loss, accuracy = test()
-    paratrain.print0(f"epoch {epoch}: train loss {loss.item():.4f}  test loss {test_loss:.4f}  "
-                     f"accuracy {accuracy:.2%}", ctx=ctx)
+    paratrain.print0(
+        f"epoch {epoch}: train loss {loss.item():.4f}  test loss {test_loss:.4f}  accuracy {accuracy:.2%}",
+        ctx=ctx,
+    )
 
 held = model_state_bytes(model, optimizer)
-paratrain.print0(f"{num_params:,} parameters; rank 0 holds {held / 2**10:.1f} KiB of parameters + gradients + "
-                 f"AdamW state (unsharded: {16 * num_params / 2**10:.1f} KiB) on {ctx.world_size} rank(s)", ctx=ctx)
+paratrain.print0(
+    f"{num_params:,} parameters; rank 0 holds {held / 2**10:.1f} KiB of parameters + gradients + "
+    f"AdamW state (unsharded: {16 * num_params / 2**10:.1f} KiB) on {ctx.world_size} rank(s)",
+    ctx=ctx,
+)
 if args.save_model:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

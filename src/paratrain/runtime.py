@@ -144,10 +144,15 @@ def init(
             # per-attempt prefix: a restarted rank would read its peers' addresses from the failed attempt
             # and fail to connect. Prefix every key with the attempt number.
             client = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world_size,
+                is_master=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-            kwargs["store"] = dist.PrefixStore(f"paratrain/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", client)
+            kwargs["store"] = dist.PrefixStore(
+                f"paratrain/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", client
+            )
         dist.init_process_group(**kwargs)
     if seed is not None:
         seed_everything(seed)

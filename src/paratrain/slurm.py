@@ -71,7 +71,9 @@ def detect(env: Mapping[str, str] | None = None) -> SlurmEnv | None:
         return None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
     nodes = expand_nodelist(nodelist) if nodelist else []
-    nnodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    nnodes = int(
+        env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or 1
+    )
     if not nodes:
         return None
     return SlurmEnv(env["SLURM_JOB_ID"], nnodes, int(env["SLURM_NODEID"]), nodes, _gpus(env))
@@ -106,7 +108,9 @@ def sbatch_script(
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes and --gpus-per-node must be >= 1 (got {nodes}, {gpus_per_node}).")
     if not command:
-        raise ConfigError("give the script to run after the launch flags, e.g. `paratrain launch --slurm ... train.py`")
+        raise ConfigError(
+            "give the script to run after the launch flags, e.g. `paratrain launch --slurm ... train.py`"
+        )
     part = f"#SBATCH --partition={partition}\n" if partition else ""
     cmd = " ".join(shlex.quote(c) for c in command)
     if command[0] == "train" and not os.path.isfile("train"):

@@ -12,8 +12,23 @@ from tests.conftest import last_json, run_cli
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=512",
-          "--set", "model.dropout=0.1", "--batch-size", "48", "--steps", "10", "--lr", "0.01", "--json"]
+COMMON = [
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic-classification",
+    "--set",
+    "data.num_samples=512",
+    "--set",
+    "model.dropout=0.1",
+    "--batch-size",
+    "48",
+    "--steps",
+    "10",
+    "--lr",
+    "0.01",
+    "--json",
+]
 
 
 def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
@@ -35,10 +50,26 @@ def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, 
     args = [*COMMON, "--strategy", strategy, "--nproc-per-node", "2"]
     from paratrain.cli import build_config, make_parser
 
-    cfg = build_config(make_parser().parse_args(["train", *args, "--resume", "never", "--run-dir", str(tmp_path / "ref")]))
+    cfg = build_config(
+        make_parser().parse_args(["train", *args, "--resume", "never", "--run-dir", str(tmp_path / "ref")])
+    )
     ref = dist_run(_uninterrupted, 2, cfg.to_json(), str(tmp_path / "ref"), timeout_s=90)[0]
-    proc = run_cli("train", *args, "--run-dir", str(tmp_path / "crash"), "--ckpt-every", "3",
-                   "--fail-at-step", "5", "--fail-rank", "1", "--max-restarts", "2", cwd=tmp_path, timeout=180)
+    proc = run_cli(
+        "train",
+        *args,
+        "--run-dir",
+        str(tmp_path / "crash"),
+        "--ckpt-every",
+        "3",
+        "--fail-at-step",
+        "5",
+        "--fail-rank",
+        "1",
+        "--max-restarts",
+        "2",
+        cwd=tmp_path,
+        timeout=180,
+    )
     got = last_json(proc.stdout)
     assert "rank 1 kills itself (SIGKILL) at step 5" in proc.stderr
     assert "rank(s) [1] stopped responding" in proc.stderr  # the survivor named the dead peer

@@ -30,8 +30,15 @@ from paratrain.runtime import Context
 
 
 def _ctx() -> Context:
-    return Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
-                   backend=None, timeout_s=30.0)
+    return Context(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        device=torch.device("cpu"),
+        backend=None,
+        timeout_s=30.0,
+    )
 
 
 def _model(hidden: int = 8) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -43,7 +50,9 @@ def _model(hidden: int = 8) -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, opt
 
 
-def _save_steps(root: Path, steps: list[int], keep_last: int | None = None) -> tuple[CheckpointManager, nn.Module]:
+def _save_steps(
+    root: Path, steps: list[int], keep_last: int | None = None
+) -> tuple[CheckpointManager, nn.Module]:
     mgr = CheckpointManager(root, _ctx(), keep_last=keep_last)
     m, opt = _model()
     for s in steps:
@@ -168,8 +177,14 @@ def test_export_and_inspect(tmp_path: Path) -> None:
 def test_preflight_resume_refuses_other_model(tmp_path: Path) -> None:
     from paratrain.models import build_model
 
-    cfg = RunConfig().override(["model.name=mlp", "model.hidden=8", "data.name=synthetic-classification",
-                                f"checkpoint.dir={tmp_path}"])
+    cfg = RunConfig().override(
+        [
+            "model.name=mlp",
+            "model.hidden=8",
+            "data.name=synthetic-classification",
+            f"checkpoint.dir={tmp_path}",
+        ]
+    )
     mgr = CheckpointManager(tmp_path, _ctx())
     model = build_model(cfg.model, (32,), 10)
     mgr.save(1, model, torch.optim.AdamW(model.parameters()), {})
@@ -189,17 +204,34 @@ def test_slurm_detection_and_sbatch() -> None:
     from paratrain import slurm
 
     assert slurm.expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
-    env = {"SLURM_JOB_ID": "42", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
-           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_GPUS_ON_NODE": "4"}
+    env = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "node[7-8]",
+        "SLURM_GPUS_ON_NODE": "4",
+    }
     launch = slurm.apply(LaunchConfig(), env)
     assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint, launch.rdzv_id, launch.nproc_per_node) == (
-        "2", 1, "node7:29500", "slurm-42", 4)
+        "2",
+        1,
+        "node7:29500",
+        "slurm-42",
+        4,
+    )
     explicit = LaunchConfig(rdzv_endpoint="h:1", nnodes="2")
     assert slurm.apply(explicit, env) is explicit  # flags given explicitly win
     assert slurm.apply(LaunchConfig(), {}) == LaunchConfig()  # outside Slurm: nothing changes
     text = slurm.sbatch_script(2, 4, ["train.py", "--lr", "0.1"])
-    for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "scontrol show hostnames",
-                   "srun", "--nproc-per-node 4", '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"', "train.py --lr 0.1"):
+    for needle in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=4",
+        "scontrol show hostnames",
+        "srun",
+        "--nproc-per-node 4",
+        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"',
+        "train.py --lr 0.1",
+    ):
         assert needle in text
 
 
@@ -230,8 +262,15 @@ def test_preflight_train_checks() -> None:
     cfg = RunConfig().override(["launch.nproc_per_node=2", "launch.fail_at_step=3", "launch.fail_rank=2"])
     with pytest.raises(ConfigError, match="fail-rank 2 does not exist"):
         preflight_train(cfg, 2, strategy)
-    cfg = RunConfig().override(["launch.nproc_per_node=1", "launch.nnodes=2:3", "train.batch_size=64",
-                                "launch.rdzv_endpoint=h:1", "train.run_dir=/tmp/x"])
+    cfg = RunConfig().override(
+        [
+            "launch.nproc_per_node=1",
+            "launch.nnodes=2:3",
+            "train.batch_size=64",
+            "launch.rdzv_endpoint=h:1",
+            "train.run_dir=/tmp/x",
+        ]
+    )
     with pytest.raises(ConfigError, match="at 3 node"):
         preflight_train(cfg, 2, strategy)
     cfg = RunConfig().override(["launch.nproc_per_node=1", "launch.nnodes=2", "launch.rdzv_endpoint=h:1"])

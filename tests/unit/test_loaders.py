@@ -27,7 +27,9 @@ from paratrain.train.features import (
 
 def write_cifar(path: Path, labels: np.ndarray, images: np.ndarray) -> None:
     """Records of the CIFAR-10 binary format: label byte, then R, G, B planes of 32x32 bytes."""
-    rec = np.concatenate([labels.astype(np.uint8)[:, None], images.reshape(len(labels), -1).astype(np.uint8)], axis=1)
+    rec = np.concatenate(
+        [labels.astype(np.uint8)[:, None], images.reshape(len(labels), -1).astype(np.uint8)], axis=1
+    )
     path.write_bytes(rec.tobytes())
 
 
@@ -83,7 +85,9 @@ def test_mnist_idx(tmp_path: Path, gz: bool) -> None:
     s = build_dataset(DataConfig(name=f"mnist:{tmp_path}"))
     assert s.input_shape == (1, 28, 28) and len(s.train) == 30 and len(s.test) == 6
     assert s.train.y.tolist() == y.tolist()
-    assert torch.isclose(s.train.x[3, 0, 10, 11], torch.tensor((x[3, 10, 11] / 255.0 - 0.1307) / 0.3081).float())
+    assert torch.isclose(
+        s.train.x[3, 0, 10, 11], torch.tensor((x[3, 10, 11] / 255.0 - 0.1307) / 0.3081).float()
+    )
 
 
 def test_mnist_errors(tmp_path: Path) -> None:
@@ -107,8 +111,12 @@ def test_augmentations() -> None:
     out = random_crop(1)(x, g)
     assert out.shape == x.shape
     for i in range(2):
-        hits = [(dy, dx) for dy in range(3) for dx in range(3)
-                if torch.equal(out[i], torch.nn.functional.pad(x[i], (1, 1, 1, 1))[:, dy : dy + 4, dx : dx + 4])]
+        hits = [
+            (dy, dx)
+            for dy in range(3)
+            for dx in range(3)
+            if torch.equal(out[i], torch.nn.functional.pad(x[i], (1, 1, 1, 1))[:, dy : dy + 4, dx : dx + 4])
+        ]
         assert hits
     flipped = random_hflip(1.0)(x, g)
     assert torch.equal(flipped, x.flip(-1)) and torch.equal(random_hflip(0.0)(x, g), x)
@@ -133,7 +141,10 @@ def test_plan_buckets_reverse_order_and_caps() -> None:
     keys = ["f32"] * 5
     plan = plan_buckets(sizes, keys, cap_bytes=1000, first_cap_bytes=200)
     assert plan == [[4], [3], [2, 1], [0]]  # reverse order; first bucket capped at 200; big param alone
-    assert plan_buckets(sizes, ["a", "b", "a", "b", "a"], cap_bytes=10**6, first_cap_bytes=10**6) == [[4, 2, 0], [3, 1]]
+    assert plan_buckets(sizes, ["a", "b", "a", "b", "a"], cap_bytes=10**6, first_cap_bytes=10**6) == [
+        [4, 2, 0],
+        [3, 1],
+    ]
     assert sorted(i for b in plan for i in b) == list(range(5))
 
 

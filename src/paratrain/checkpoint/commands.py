@@ -10,7 +10,9 @@ from typing import Any
 def add_ckpt_commands(sub: Any) -> None:
     p = sub.add_parser("ckpt", help="inspect and export checkpoints")
     ck = p.add_subparsers(dest="ckpt_command", required=True)
-    q = ck.add_parser("inspect", help="steps, sizes, world size, strategy and validity of a checkpoint directory")
+    q = ck.add_parser(
+        "inspect", help="steps, sizes, world size, strategy and validity of a checkpoint directory"
+    )
     q.add_argument("dir", help="checkpoint directory (with step_NNNNNNNN/ inside) or one step directory")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_inspect)
@@ -33,5 +35,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from paratrain.checkpoint.inspect import export_safetensors
 
     info = export_safetensors(args.step_dir, args.out)
-    print(json.dumps(info) if args.json else f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.2f} MiB) to {info['out']}")
+    print(
+        json.dumps(info)
+        if args.json
+        else f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.2f} MiB) to {info['out']}"
+    )
     return 0

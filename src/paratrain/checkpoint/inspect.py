@@ -60,8 +60,13 @@ def inspect_dir(root: str | Path) -> dict[str, Any]:
     if not r.exists():
         raise ConfigError(f"{r} does not exist. Give a checkpoint directory (e.g. runs/NAME/checkpoints).")
     if step_of(r) is not None:
-        return {"root": str(r.parent), "checkpoints": [describe(r)], "latest": None, "resume_auto": None,
-                "in_progress": []}
+        return {
+            "root": str(r.parent),
+            "checkpoints": [describe(r)],
+            "latest": None,
+            "resume_auto": None,
+            "in_progress": [],
+        }
     latest = (r / "latest").read_text().strip() if (r / "latest").is_file() else None
     auto = find_latest_valid(r)
     return {
@@ -78,8 +83,10 @@ def format_inspect(info: dict[str, Any]) -> str:
     lines.append(f"{'step':>10} {'size':>10} {'world':>5} {'strategy':>9} {'model':>8}  status")
     for c in info["checkpoints"]:
         status = "valid" if c["valid"] else "INVALID: " + "; ".join(c["problems"])
-        lines.append(f"{c['step']!s:>10} {c['bytes'] / 2**20:>8.2f}Mi {c['world_size']!s:>5} "
-                     f"{c['strategy']!s:>9} {c['model']!s:>8}  {status}")
+        lines.append(
+            f"{c['step']!s:>10} {c['bytes'] / 2**20:>8.2f}Mi {c['world_size']!s:>5} "
+            f"{c['strategy']!s:>9} {c['model']!s:>8}  {status}"
+        )
     for name in info["in_progress"]:
         lines.append(f"{name}: unfinished save (being written, or left by a crash; never loaded)")
     return "\n".join(lines)
@@ -103,14 +110,26 @@ def export_safetensors(step_dir: str | Path, out: str | Path) -> dict[str, Any]:
     # DCP assembles every shard written by every rank into these full tensors (no process group needed).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-        dcp.load({"model": model}, storage_reader=safe.SafeFileSystemReader(str(p)),
-                 planner=safe.SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"model": model},
+            storage_reader=safe.SafeFileSystemReader(str(p)),
+            planner=safe.SafeLoadPlanner(),
+            no_dist=True,
+        )
     state = json.loads((p / "train_state.json").read_text())
-    meta_out = {"step": str(state.get("step")), "strategy": str(state.get("strategy")),
-                "model": json.dumps(state.get("config", {}).get("model", {})), "format": "pt"}
+    meta_out = {
+        "step": str(state.get("step")),
+        "strategy": str(state.get("strategy")),
+        "model": json.dumps(state.get("config", {}).get("model", {})),
+        "format": "pt",
+    }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.items()}, str(out), metadata=meta_out)
-    return {"out": str(out), "tensors": len(model), "bytes": sum(t.numel() * t.element_size() for t in model.values())}
+    return {
+        "out": str(out),
+        "tensors": len(model),
+        "bytes": sum(t.numel() * t.element_size() for t in model.values()),
+    }
 
 
 def preflight_resume(cfg: RunConfig, meta_model: nn.Module, run_dir: str | Path | None = None) -> Path | None:

@@ -22,7 +22,8 @@ from paratrain.data import Splits, TensorData, register_dataset, split_indices
 from paratrain.data.transforms import normalize, random_crop
 
 _IDX_DTYPES: dict[int, np.dtype[Any]] = {
-    code: np.dtype(t) for code, t in ((0x08, "u1"), (0x09, "i1"), (0x0B, ">i2"), (0x0C, ">i4"), (0x0D, ">f4"), (0x0E, ">f8"))
+    code: np.dtype(t)
+    for code, t in ((0x08, "u1"), (0x09, "i1"), (0x0B, ">i2"), (0x0C, ">i4"), (0x0D, ">f4"), (0x0E, ">f8"))
 }
 MEAN, STD = 0.1307, 0.3081
 

@@ -271,7 +271,9 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None, params:
 
 @register_strategy("dp")
 class DataParallel(Strategy):
-    description = "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with backward"
+    description = (
+        "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with backward"
+    )
 
     def __init__(self, ctx: Context, config: StrategyConfig) -> None:
         super().__init__(ctx, config)
@@ -291,7 +293,9 @@ class DataParallel(Strategy):
         if not self.ctx.distributed or self.ctx.world_size == 1:
             return model, optimizer
         broadcast_module(model, self.dp_group)
-        self.reducer = GradReducer(model, self.dp_group, self.config.bucket_cap_mb, self.config.comm_algorithm)
+        self.reducer = GradReducer(
+            model, self.dp_group, self.config.bucket_cap_mb, self.config.comm_algorithm
+        )
         if any(True for _ in model.buffers()):
             model.register_forward_pre_hook(self._sync_buffers)
         return model, optimizer

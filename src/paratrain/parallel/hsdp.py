@@ -99,7 +99,9 @@ class _FullyShard(Strategy):
         else:
             mp = MixedPrecisionPolicy()
         offload = (
-            CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda") if self.config.offload else OffloadPolicy()
+            CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
+            if self.config.offload
+            else OffloadPolicy()
         )
         return {"mp_policy": mp, "offload_policy": offload}
 

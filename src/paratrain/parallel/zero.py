@@ -111,7 +111,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
     ) -> None:
         if optimizer.state:
-            raise ValueError("ShardedOptimizer: wrap the optimizer before its first step (its state is not empty)")
+            raise ValueError(
+                "ShardedOptimizer: wrap the optimizer before its first step (its state is not empty)"
+            )
         groups = [dict(g) for g in optimizer.param_groups]
         super().__init__(groups, optimizer.defaults)
         self.group = group
@@ -133,7 +135,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # so zero2's first bucket is complete (and its reduce-scatter starts) early in backward.
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         inner_groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [self._slots[p].shard for p in g["params"]]}
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [self._slots[p].shard for p in g["params"]],
+            }
             for g in self.param_groups
         ]
         self.optim = clone_optimizer(optimizer, inner_groups)
@@ -285,7 +290,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for s in b.slots:
                 mine[s.offset : s.offset + s.owned_numel].copy_(s.shard.reshape(-1))
             full = torch.empty(self.world * b.segment, dtype=first.dtype, device=first.device)
-            pending.append((b, full, mine, dist.all_gather_single(full, mine, group=self.group, async_op=True)))
+            pending.append(
+                (b, full, mine, dist.all_gather_single(full, mine, group=self.group, async_op=True))
+            )
         for b, full, _mine, work in pending:  # all gathers are in flight; wait in launch order
             work.wait()
             for s in b.slots:
@@ -332,7 +339,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {index[p]: dict(st) for p, st in self.state.items()}
         groups = []
         for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]})
+            groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+            )
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
@@ -397,7 +406,11 @@ class _ZeroStage(Strategy):
         if optimizer is None:
             return model, None
         self.optimizer = ShardedOptimizer(
-            optimizer, group, mesh, shard_gradients=self.shard_gradients, bucket_cap_mb=self.config.bucket_cap_mb
+            optimizer,
+            group,
+            mesh,
+            shard_gradients=self.shard_gradients,
+            bucket_cap_mb=self.config.bucket_cap_mb,
         )
         return model, self.optimizer
 
@@ -441,5 +454,7 @@ class Zero1(_ZeroStage):
 
 @register_strategy("zero2")
 class Zero2(_ZeroStage):
-    description = "ZeRO-2: optimizer state and gradients sharded (reduce-scatter in backward); params replicated"
+    description = (
+        "ZeRO-2: optimizer state and gradients sharded (reduce-scatter in backward); params replicated"
+    )
     shard_gradients = True
