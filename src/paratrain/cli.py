@@ -49,6 +49,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "node_rank": ("launch.node_rank", int),
     "rdzv_endpoint": ("launch.rdzv_endpoint", str),
     "rdzv_id": ("launch.rdzv_id", str),
+    "rdzv_conf": ("launch.rdzv_conf", str),
 }
 
 
@@ -110,6 +111,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, help="rank of this node (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the multi-node rendezvous (private network only)")
     p.add_argument("--rdzv-id", help="job id shared by all nodes of one job")
+    p.add_argument("--rdzv-conf", help="rendezvous settings KEY=VALUE,... (torchrun's --rdzv-conf), e.g. "
+                   "last_call_timeout=5,keep_alive_interval=1")
     p.add_argument(
         "--set",
         action="append",
@@ -296,6 +299,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_backend=args.rdzv_backend,
         rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
         master_port=args.master_port,
         max_restarts=args.max_restarts,
     )
@@ -334,6 +338,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None)
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")
     p.add_argument("--rdzv-id", "--rdzv_id", default=None)
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default=None)
     p.add_argument("--master-port", "--master_port", type=int, default=None)
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
     p.add_argument(

@@ -243,6 +243,9 @@ class LaunchConfig:
     """Rendezvous backend of the elastic agent."""
     rdzv_id: str | None = None
     """Job id shared by all nodes of one job."""
+    rdzv_conf: str | None = None
+    """torchrun's ``--rdzv-conf``: ``key=value,...`` for the c10d rendezvous, e.g. ``last_call_timeout=5,
+    keep_alive_interval=1`` (see docs/launch.md for the keys)."""
     master_port: int | None = None
     """Explicit port for the single-node rendezvous (checked to be free before starting)."""
     max_restarts: int = 0

@@ -83,12 +83,44 @@ def preflight(launch: LaunchConfig) -> None:
         )
     if launch.device == "cuda" and gpus == 0:
         raise ConfigError("launch.device='cuda' but no CUDA GPU is visible. Use --set launch.device=cpu.")
+    parse_rdzv_conf(launch.rdzv_conf)
     explicit_port = launch.master_port is not None and launch.rdzv_endpoint is None
     if explicit_port and port_in_use("127.0.0.1", launch.master_port):  # type: ignore[arg-type]
         raise ConfigError(
             f"port {launch.master_port} on 127.0.0.1 is already in use (another job?). Pick another "
             "--master-port, or leave it out and paratrain picks a free port."
         )
+
+
+# Settings of torch's dynamic (c10d) rendezvous (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
+# c10d_rendezvous_backend.py), all in seconds except keep_alive_max_attempt. How long a membership change takes:
+# a dead node leaves the rendezvous keep_alive_interval * keep_alive_max_attempt after its last heartbeat, then
+# the survivors wait last_call_timeout for more nodes before the new round starts.
+_RDZV_INT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+                  "keep_alive_max_attempt", "read_timeout")
+
+
+def parse_rdzv_conf(text: str | None) -> dict[str, Any]:
+    """``"last_call_timeout=5,keep_alive_interval=1"`` -> ``{"last_call_timeout": 5, ...}`` (torchrun's
+    ``--rdzv-conf``). Raises :class:`ConfigError` naming an unknown key or a bad value."""
+    out: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key == "is_host" and sep:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(f"--rdzv-conf is_host={value!r}: write true or false.")
+            out[key] = value.lower() in ("true", "1")
+        elif key in _RDZV_INT_KEYS and sep and value.isdigit() and int(value) > 0:
+            out[key] = int(value)
+        else:
+            raise ConfigError(
+                f"--rdzv-conf {item.strip()!r}: write KEY=SECONDS with KEY one of {', '.join(_RDZV_INT_KEYS)} "
+                "(keep_alive_max_attempt is a count), or is_host=true|false; separate entries with commas."
+            )
+    return out
 
 
 LOOPBACK_BACKEND = "paratrain-loopback"
@@ -131,7 +163,7 @@ def _create_loopback_handler(params: Any) -> Any:
 
     handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
     # The handler starts a second store for the workers (TCPStore sharing); it must be loopback-only too.
-    handler._create_tcp_store_server = lambda addr, port: loopback_store(port)
+    handler._create_tcp_store_server = lambda addr, port: loopback_store(port)  # type: ignore[method-assign,assignment]
     return handler
 
 
@@ -161,7 +193,10 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
 
     parts = launch.nnodes.split(":")
     min_nodes, max_nodes = int(parts[0]), int(parts[-1])
-    rdzv_configs: dict[str, Any] = {"timeout": int(max(60, launch.timeout_s))}
+    # "timeout" is the join timeout of the static and etcd rendezvous, "join_timeout" that of c10d (torch's
+    # default is 600 s): how long an agent waits for the others before it fails instead of hanging.
+    join = int(max(60, launch.timeout_s))
+    rdzv_configs: dict[str, Any] = {"timeout": join, "join_timeout": join}
     if launch.rdzv_endpoint:
         # Multi-node: torch's c10d rendezvous. The store host listens on all interfaces (it must be reachable
         # from the other nodes): run it on a private network only (docs/launch.md).
@@ -186,6 +221,7 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
         backend = LOOPBACK_BACKEND if launch.rdzv_backend == "c10d" else launch.rdzv_backend
         _register_loopback_backend()
         local_addr = "127.0.0.1"
+    rdzv_configs.update(parse_rdzv_conf(launch.rdzv_conf))  # explicit settings win
     return ElasticLaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -198,6 +234,8 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
         monitor_interval=0.1,
         start_method="spawn",
         local_addr=local_addr,
+        # SIGTERM and SIGUSR1 are paratrain's (agent_signals.StopForwarder), not torch's immediate teardown.
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
 
 
@@ -212,33 +250,6 @@ def _worker_env(nproc: int, standalone: bool = False) -> None:
         if lo is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
-
-
-def _forward_to_children(signum: int, frame: Any) -> None:
-    """SIGUSR1 in the agent: pass it on to the workers (each in its own session), which checkpoint and stop.
-
-    The elastic agent handles SIGTERM itself (it forwards SIGTERM, waits 30 s, then SIGKILLs), but not
-    SIGUSR1, whose default action would kill the agent and orphan the workers.
-    """
-    for pid in _child_pids(os.getpid()):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
-def _child_pids(pid: int) -> list[int]:
-    out: list[int] = []
-    task_dir = f"/proc/{pid}/task"
-    if not os.path.isdir(task_dir):
-        return out
-    for tid in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
 
 
 def _describe_exit(code: int) -> str:
@@ -310,8 +321,11 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
 
     Raises :class:`LaunchError` naming the first failing rank.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
+
+    from paratrain.agent_signals import StopForwarder, describe_teardown, grace_s, guarded_backend
 
     launch = resolve(launch)
     preflight(launch)
@@ -320,19 +334,19 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     if quiet:
         _quiet_agent_logs()
     config = _elastic_config(launch, nproc)
-    import threading
-
-    old_usr1 = None
-    if threading.current_thread() is threading.main_thread():
-        old_usr1 = signal.signal(signal.SIGUSR1, _forward_to_children)
+    # SIGTERM/SIGUSR1: forwarded to the workers, which save and exit; no restart after (agent_signals.py)
+    stop = StopForwarder(grace_s(launch.timeout_s))
+    config.rdzv_backend = guarded_backend(config.rdzv_backend, stop)
+    stop.install()
     try:
         return dict(launch_agent(config, sys.executable, list(entry)))
     except ChildFailedError as err:
         failures = _failures(err)
         raise LaunchError(_format_failure(failures, launch.max_restarts), failures) from None
+    except SignalException as e:
+        raise LaunchError(describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)) from None
     finally:
-        if old_usr1 is not None:
-            signal.signal(signal.SIGUSR1, old_usr1)
+        stop.restore()
 
 
 def run_module(module: str, argv: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int, Any]:

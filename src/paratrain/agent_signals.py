@@ -1,0 +1,176 @@
+"""What the launching process (the elastic agent) does on SIGTERM and SIGUSR1: the workers save, then stop.
+
+torch's agent handles SIGTERM by tearing the workers down at once (``launcher/api.py`` ``signals_to_handle``;
+``elastic/multiprocessing/api.py`` ``_terminate_process_handler`` raises ``SignalException``; the agent then
+sends the signal to the workers and SIGKILLs them after ``shutdown_timeout``) and leaves by that exception:
+no summary, and in a multi-node job the other agents wait at the exit barrier for one that never comes.
+paratrain takes SIGTERM and SIGUSR1 out of torch's list and installs :class:`StopForwarder` instead.
+
+Reference: https://pytorch.org/docs/stable/elastic/agent.html
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopForwarder:
+    """SIGTERM/SIGUSR1 in the agent: the workers save a checkpoint and stop, then the agent exits normally.
+
+    1. forwards the signal to the local workers (their handler only sets a flag; the ranks agree on a step
+       through the per-step flag all-reduce, save there, and exit 0: see checkpoint/lifecycle.py);
+    2. lets the agent go on monitoring: it sees the group succeed and returns normally;
+    3. escalates to torch's teardown (signal again, SIGKILL after ``shutdown_timeout``) when a second signal
+       arrives, when the workers have not exited ``grace_s`` after the first, or when no worker runs yet
+       (the agent is in a rendezvous: nothing to save);
+    4. after a stop signal, never restarts: :class:`GuardedRendezvous` turns the next rendezvous (what a
+       restart does first) into the same teardown.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        import threading
+
+        self.grace_s = grace_s
+        self.received: signal.Signals | None = None
+        self.before_workers = False
+        self._old: dict[int, Any] = {}
+        # The handler must not take locks the interrupted main thread may hold (starting a thread does, and
+        # so does print): it only sets this event; a watcher thread, started beforehand, does the waiting.
+        self._stop_requested = threading.Event()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="paratrain-stop-grace", daemon=True)
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+            self._watcher.start()
+
+    def restore(self) -> None:
+        self._closed.set()
+        self._stop_requested.set()  # wakes the watcher, which sees _closed and returns
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def teardown(self, sig: signal.Signals) -> Exception:
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        return SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        sig = signal.Signals(signum)
+        workers = _live_child_pids(os.getpid())
+        if self.received is None and not workers:
+            self.received, self.before_workers = sig, True
+        if self.received is not None:
+            raise self.teardown(self.received)
+        self.received = sig
+        for pid in workers:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        os.write(2, (f"[paratrain] {sig.name}: the workers save a checkpoint and stop (escalating if they have "
+                     f"not exited in {self.grace_s:.0f}s, or on a second signal)\n").encode())
+        self._stop_requested.set()
+
+    def _watch(self) -> None:
+        self._stop_requested.wait()
+        if self._closed.wait(self.grace_s) or self.received is None:
+            return
+        if _live_child_pids(os.getpid()):
+            # Python runs signal handlers in the main thread: re-sending the signal makes the handler above
+            # raise there, i.e. torch's teardown from wherever the agent is (monitor loop, exit barrier).
+            os.kill(os.getpid(), self.received)
+
+
+class GuardedRendezvous:
+    """A rendezvous handler that refuses to start another round once a stop signal was received (so a
+    worker that dies while stopping does not make the agent restart the group); everything else is the
+    wrapped handler's."""
+
+    def __init__(self, inner: Any, name: str, stop: StopForwarder) -> None:
+        self._inner, self._name, self._stop = inner, name, stop
+
+    def next_rendezvous(self) -> Any:
+        if self._stop.received is not None:
+            raise self._stop.teardown(self._stop.received)
+        return self._inner.next_rendezvous()
+
+    def get_backend(self) -> str:
+        return self._name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._inner, attr)
+
+
+def guarded_backend(backend: str, stop: StopForwarder) -> str:
+    """Register ``paratrain-guarded-<n>``: ``backend``'s handler wrapped in :class:`GuardedRendezvous`."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    name = f"paratrain-guarded-{uuid.uuid4().hex[:8]}"
+
+    def create(params: Any) -> Any:
+        inner = registry.create_handler(RendezvousParameters(
+            backend, params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr,
+            **params.config))
+        return GuardedRendezvous(inner, name, stop)
+
+    registry.register(name, create)
+    return name
+
+
+def _live_child_pids(pid: int) -> list[int]:
+    out = []
+    for child in _child_pids(pid):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":  # an exited, not yet reaped worker
+                    out.append(child)
+        except OSError:
+            continue
+    return out
+
+
+def _child_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    task_dir = f"/proc/{pid}/task"
+    if not os.path.isdir(task_dir):
+        return out
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def grace_s(timeout_s: float) -> float:
+    """How long the workers get to save and exit after SIGTERM/SIGUSR1 before the agent tears them down:
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` if set, else the process-group timeout (a worker that has not stopped
+    by then is stuck in a collective that is about to fail anyway), at least 30 s."""
+    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    return float(env) if env else max(30.0, timeout_s)
+
+
+def describe_teardown(sig: signal.Signals, stop: StopForwarder, shutdown_timeout: Any) -> str:
+    """The launcher's one-paragraph report when the agent tore the workers down after a signal."""
+    if stop.received is None:  # SIGINT, SIGHUP, SIGQUIT: torch's own teardown
+        return (f"interrupted by {sig.name}: the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 "
+                "make them save first); the next run resumes from the latest committed checkpoint")
+    if stop.before_workers:
+        return (f"stopped by {sig.name} before any worker was running (nothing to save); the next run resumes "
+                "from the latest committed checkpoint")
+    return (f"stopped by {stop.received.name}, but the workers did not all save and exit (a second signal, "
+            f"{stop.grace_s:.0f}s passed, or a worker died while stopping): they were sent {sig.name} and killed "
+            f"after {shutdown_timeout}s. Rerunning resumes from the latest committed checkpoint.")
