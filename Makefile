@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make demo   -> set up .venv, then `paratrain train` (digits CNN, ddp over 2 local processes)
-#   make test   -> set up .venv, then the whole test suite
+#   make test   -> set up .venv, then ruff, mypy and the whole test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -19,7 +19,10 @@ setup: $(BIN)/paratrain
 demo: setup
 	$(BIN)/paratrain train $(ARGS)
 
+# lint and type check first (seconds), then the suite: unit, distributed (2-4 Gloo ranks), end to end
 test: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup

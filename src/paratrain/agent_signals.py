@@ -78,8 +78,13 @@ class StopForwarder:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        os.write(2, (f"[paratrain] {sig.name}: the workers save a checkpoint and stop (escalating if they have "
-                     f"not exited in {self.grace_s:.0f}s, or on a second signal)\n").encode())
+        os.write(
+            2,
+            (
+                f"[paratrain] {sig.name}: the workers save a checkpoint and stop (escalating if they have "
+                f"not exited in {self.grace_s:.0f}s, or on a second signal)\n"
+            ).encode(),
+        )
         self._stop_requested.set()
 
     def _watch(self) -> None:
@@ -120,9 +125,17 @@ def guarded_backend(backend: str, stop: StopForwarder) -> str:
     name = f"paratrain-guarded-{uuid.uuid4().hex[:8]}"
 
     def create(params: Any) -> Any:
-        inner = registry.create_handler(RendezvousParameters(
-            backend, params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr,
-            **params.config))
+        inner = registry.create_handler(
+            RendezvousParameters(
+                backend,
+                params.endpoint,
+                params.run_id,
+                params.min_nodes,
+                params.max_nodes,
+                params.local_addr,
+                **params.config,
+            )
+        )
         return GuardedRendezvous(inner, name, stop)
 
     registry.register(name, create)
@@ -166,11 +179,17 @@ def grace_s(timeout_s: float) -> float:
 def describe_teardown(sig: signal.Signals, stop: StopForwarder, shutdown_timeout: Any) -> str:
     """The launcher's one-paragraph report when the agent tore the workers down after a signal."""
     if stop.received is None:  # SIGINT, SIGHUP, SIGQUIT: torch's own teardown
-        return (f"interrupted by {sig.name}: the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 "
-                "make them save first); the next run resumes from the latest committed checkpoint")
+        return (
+            f"interrupted by {sig.name}: the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 "
+            "make them save first); the next run resumes from the latest committed checkpoint"
+        )
     if stop.before_workers:
-        return (f"stopped by {sig.name} before any worker was running (nothing to save); the next run resumes "
-                "from the latest committed checkpoint")
-    return (f"stopped by {stop.received.name}, but the workers did not all save and exit (a second signal, "
-            f"{stop.grace_s:.0f}s passed, or a worker died while stopping): they were sent {sig.name} and killed "
-            f"after {shutdown_timeout}s. Rerunning resumes from the latest committed checkpoint.")
+        return (
+            f"stopped by {sig.name} before any worker was running (nothing to save); the next run resumes "
+            "from the latest committed checkpoint"
+        )
+    return (
+        f"stopped by {stop.received.name}, but the workers did not all save and exit (a second signal, "
+        f"{stop.grace_s:.0f}s passed, or a worker died while stopping): they were sent {sig.name} and killed "
+        f"after {shutdown_timeout}s. Rerunning resumes from the latest committed checkpoint."
+    )

@@ -85,7 +85,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shard-size", type=int, help="hsdp: ranks per shard group; must divide the world size")
     p.add_argument(
-        "--offload", action="store_true", default=None,
+        "--offload",
+        action="store_true",
+        default=None,
         help="zero3/hsdp: keep sharded parameters, gradients and optimizer state on the CPU",
     )
     p.add_argument("--lr", type=float, help="learning rate")
@@ -103,16 +105,25 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="device (default auto)")
     p.add_argument("--timeout", type=float, help="process-group timeout in seconds (default 300)")
     p.add_argument("--keep-last", type=int, help="keep only the newest K valid checkpoints")
-    p.add_argument("--async-checkpoint", action="store_true", default=None,
-                   help="write checkpoints in the background (training blocks only for the copy to CPU)")
-    p.add_argument("--fail-at-step", type=int, help="fault injection: SIGKILL --fail-rank after step S (first attempt)")
+    p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        default=None,
+        help="write checkpoints in the background (training blocks only for the copy to CPU)",
+    )
+    p.add_argument(
+        "--fail-at-step", type=int, help="fault injection: SIGKILL --fail-rank after step S (first attempt)"
+    )
     p.add_argument("--fail-rank", type=int, help="the rank --fail-at-step kills (default 0)")
     p.add_argument("--nnodes", help="nodes N, or an elastic range MIN:MAX (needs --rdzv-endpoint)")
     p.add_argument("--node-rank", type=int, help="rank of this node (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the multi-node rendezvous (private network only)")
     p.add_argument("--rdzv-id", help="job id shared by all nodes of one job")
-    p.add_argument("--rdzv-conf", help="rendezvous settings KEY=VALUE,... (torchrun's --rdzv-conf), e.g. "
-                   "last_call_timeout=5,keep_alive_interval=1")
+    p.add_argument(
+        "--rdzv-conf",
+        help="rendezvous settings KEY=VALUE,... (torchrun's --rdzv-conf), e.g. "
+        "last_call_timeout=5,keep_alive_interval=1",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -224,8 +235,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from paratrain.launch import wait_for_summary
 
         if not wait_for_summary(summary_path):
-            print("paratrain train: this node's workers finished; the node that ran rank 0 prints the "
-                  "summary", file=sys.stderr)
+            print(
+                "paratrain train: this node's workers finished; the node that ran rank 0 prints the summary",
+                file=sys.stderr,
+            )
             return 0
     if not summary_path.is_file():
         print("paratrain train: the workers exited without writing a summary", file=sys.stderr)
@@ -289,8 +302,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
         from paratrain.slurm import sbatch_script
 
         command = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        print(sbatch_script(args.nodes, args.gpus_per_node, command, time_limit=args.time,
-                            max_restarts=args.max_restarts or 3), end="")
+        print(
+            sbatch_script(
+                args.nodes,
+                args.gpus_per_node,
+                command,
+                time_limit=args.time,
+                max_restarts=args.max_restarts or 3,
+            ),
+            end="",
+        )
         return 0
     launch = LaunchConfig(
         nproc_per_node=args.nproc_per_node,
@@ -345,9 +366,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--standalone", action="store_true", help="accepted for torchrun compatibility (the default)"
     )
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
-    p.add_argument("--slurm", action="store_true", help="print an sbatch script for --nodes x --gpus-per-node, then exit")
+    p.add_argument(
+        "--slurm", action="store_true", help="print an sbatch script for --nodes x --gpus-per-node, then exit"
+    )
     p.add_argument("--nodes", type=int, default=2, help="--slurm: number of nodes (default 2)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="--slurm: GPUs (= workers) per node (default 8)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, help="--slurm: GPUs (= workers) per node (default 8)"
+    )
     p.add_argument("--time", default="01:00:00", help="--slurm: time limit (default 01:00:00)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")

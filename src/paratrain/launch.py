@@ -96,8 +96,15 @@ def preflight(launch: LaunchConfig) -> None:
 # c10d_rendezvous_backend.py), all in seconds except keep_alive_max_attempt. How long a membership change takes:
 # a dead node leaves the rendezvous keep_alive_interval * keep_alive_max_attempt after its last heartbeat, then
 # the survivors wait last_call_timeout for more nodes before the new round starts.
-_RDZV_INT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
-                  "keep_alive_max_attempt", "read_timeout")
+_RDZV_INT_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+)
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, Any]:
@@ -156,6 +163,7 @@ def _create_loopback_handler(params: Any) -> Any:
         )
 
     store = loopback_store(int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0)
+
     class _LoopbackBackend(C10dRendezvousBackend):
         @property
         def name(self) -> str:
@@ -344,7 +352,9 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
         failures = _failures(err)
         raise LaunchError(_format_failure(failures, launch.max_restarts), failures) from None
     except SignalException as e:
-        raise LaunchError(describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)) from None
+        raise LaunchError(
+            describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)
+        ) from None
     finally:
         stop.restore()
 
@@ -408,10 +418,14 @@ def preflight_train(cfg: Any, world: int, strategy: Any) -> None:
             strategy.check(size, cfg.strategy)
             cfg.validate(size, strategy.data_parallel_size(size, cfg.strategy))
         except ConfigError as e:
-            raise ConfigError(f"--nnodes {launch.nnodes}: at {nodes} node(s) (world size {size}): {e}") from None
+            raise ConfigError(
+                f"--nnodes {launch.nnodes}: at {nodes} node(s) (world size {size}): {e}"
+            ) from None
     if launch.fail_at_step is not None and launch.fail_rank >= world:
-        raise ConfigError(f"--fail-rank {launch.fail_rank} does not exist: the world size is {world} "
-                          f"(ranks 0..{world - 1}).")
+        raise ConfigError(
+            f"--fail-rank {launch.fail_rank} does not exist: the world size is {world} "
+            f"(ranks 0..{world - 1})."
+        )
     if launch.nnodes != "1" and cfg.train.run_dir is None and cfg.checkpoint.dir is None:
         if not launch.rdzv_id:
             raise ConfigError(
@@ -431,4 +445,3 @@ def wait_for_summary(path: Any, timeout_s: float = 15.0) -> bool:
             return True
         time.sleep(0.2)
     return False
-

@@ -61,7 +61,10 @@ def test_mnist_and_sync_batchnorm_warning(tmp_path: Path) -> None:
         (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a CUDA GPU"),
         (["--batch-size", "20", "--grad-accum", "3"], "--grad-accum 3 does not divide the per-rank batch 10"),
         (["--strategy", "dp", "--comm-algorithm", "rign"], "invalid choice: 'rign'"),
-        (["--model", "resnet", "--data", "cifar10"], "dataset 'cifar10' needs a directory: write --data cifar10:DIR"),
+        (
+            ["--model", "resnet", "--data", "cifar10"],
+            "dataset 'cifar10' needs a directory: write --data cifar10:DIR",
+        ),
     ],
 )
 def test_bad_input_fails_before_start(tmp_path: Path, args: list[str], message: str) -> None:

@@ -96,20 +96,57 @@ def test_node_loss_rerendezvous_at_world_size_one_and_resume(tmp_path: Path) -> 
     run = tmp_path / "run"
     port = free_port()
     common = [
-        sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--data", "digits", "--steps", str(STEPS),
-        "--batch-size", str(BATCH), "--nnodes", "1:2", "--nproc-per-node", "1",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "e2e-elastic", "--max-restarts", "2",
-        "--ckpt-every", str(EVERY), "--run-dir", str(run), "--timeout", "30", "--json",
+        sys.executable,
+        "-m",
+        "paratrain",
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(BATCH),
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "e2e-elastic",
+        "--max-restarts",
+        "2",
+        "--ckpt-every",
+        str(EVERY),
+        "--run-dir",
+        str(run),
+        "--timeout",
+        "30",
+        "--json",
         # a dead node leaves the rendezvous 3 s after its last heartbeat; the survivor then waits 8 s for
         # more nodes (the first round completes as soon as both agents have joined: max nodes reached)
-        "--rdzv-conf", "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "--rdzv-conf",
+        "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3",
     ]
     # node rank 0 hosts the c10d rendezvous store on the endpoint: it is the node that must survive
-    agents = [subprocess.Popen([*common, "--node-rank", str(r)], cwd=tmp_path, env=cli_env(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-              for r in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            [*common, "--node-rank", str(r)],
+            cwd=tmp_path,
+            env=cli_env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        for r in (0, 1)
+    ]
     try:
-        marker = run / "checkpoints" / f"step_{KILL_AFTER:08d}"  # committed (renamed) => mid-run, world size 2
+        marker = (
+            run / "checkpoints" / f"step_{KILL_AFTER:08d}"
+        )  # committed (renamed) => mid-run, world size 2
         deadline = time.monotonic() + 90
         while not marker.is_dir():
             assert time.monotonic() < deadline, "no checkpoint within 90 s"
@@ -153,8 +190,19 @@ def test_node_loss_rerendezvous_at_world_size_one_and_resume(tmp_path: Path) -> 
 def test_bad_rdzv_conf_fails_before_start(tmp_path: Path) -> None:
     from tests.conftest import run_cli
 
-    proc = run_cli("train", "--model", "mlp", "--data", "digits", "--steps", "1", "--rdzv-conf",
-                   "last_call_timeout=5,keepalive=1", cwd=tmp_path, check=False)
+    proc = run_cli(
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--steps",
+        "1",
+        "--rdzv-conf",
+        "last_call_timeout=5,keepalive=1",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--rdzv-conf 'keepalive=1'" in proc.stderr and "keep_alive_interval" in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing started, no run directory

@@ -13,7 +13,7 @@ from tests.conftest import cli_env, last_json, run_cli
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = '''
+SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -30,7 +30,7 @@ if dist.get_rank() == 0:
 print(json.dumps({"rank": dist.get_rank(), "sum": t.item(), "args": sys.argv[1:],
                   "master": os.environ["MASTER_ADDR"], "listening": listening}), flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.timeout(90)
@@ -51,12 +51,37 @@ def test_launch_dropin_runs_script_on_loopback_only(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None:
     port = free_port()
-    common = ["train", "--model", "mlp", "--data", "synthetic-classification", "--steps", "4",
-              "--batch-size", "32", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
-              f"127.0.0.1:{port}", "--rdzv-id", "e2e-two-agents", "--run-dir", str(tmp_path / "run"), "--json"]
+    common = [
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic-classification",
+        "--steps",
+        "4",
+        "--batch-size",
+        "32",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "e2e-two-agents",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--json",
+    ]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(r)], cwd=tmp_path,
-                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "paratrain", *common, "--node-rank", str(r)],
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=140) for p in procs]

@@ -24,8 +24,24 @@ from tests.conftest import cli_env, last_json, run_cli
 pytestmark = pytest.mark.e2e
 
 STEPS, EVERY = 500, 50
-ARGS = ["train", "--model", "mlp", "--data", "digits", "--set", "model.dropout=0.1", "--batch-size", "64",
-        "--steps", str(STEPS), "--nproc-per-node", "2", "--ckpt-every", str(EVERY), "--json"]
+ARGS = [
+    "train",
+    "--model",
+    "mlp",
+    "--data",
+    "digits",
+    "--set",
+    "model.dropout=0.1",
+    "--batch-size",
+    "64",
+    "--steps",
+    str(STEPS),
+    "--nproc-per-node",
+    "2",
+    "--ckpt-every",
+    str(EVERY),
+    "--json",
+]
 
 
 def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
@@ -42,9 +58,15 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
 def _signal_when_training(cwd: Path, run: Path, sig: signal.Signals, after_step: int) -> tuple[int, str, str]:
     """Start ``paratrain train``; once a checkpoint beyond ``after_step`` is committed (it is mid-run), send
     ``sig`` to the launching process only. Returns (exit status, stdout, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain", *ARGS, "--run-dir", str(run)], cwd=cwd,
-                            env=cli_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", *ARGS, "--run-dir", str(run)],
+        cwd=cwd,
+        env=cli_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not any((step_of(p) or 0) > after_step for p in list_checkpoints(run / "checkpoints")):
@@ -88,7 +110,9 @@ def test_sigterm_then_sigusr1_to_the_launcher_save_and_resume_exactly(tmp_path: 
 
     from paratrain.cli import build_config, make_parser
 
-    cfg = build_config(make_parser().parse_args([*ARGS, "--resume", "never", "--run-dir", str(tmp_path / "ref")]))
+    cfg = build_config(
+        make_parser().parse_args([*ARGS, "--resume", "never", "--run-dir", str(tmp_path / "ref")])
+    )
     ref = dist_run(_uninterrupted, 2, cfg.to_json(), str(tmp_path / "ref"), timeout_s=120)[0]
     assert got["param_sha256"] == ref["param_sha256"]
     assert got["losses"] == ref["losses"]

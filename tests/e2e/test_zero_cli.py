@@ -15,7 +15,9 @@ from tests.conftest import REPO, cli_env, last_json, run_cli
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_train_cnn_with_zero3_from_the_cli(tmp_path: Path) -> None:
-    proc = run_cli("train", "--model", "cnn", "--strategy", "fsdp", "--epochs", "5", "--json", cwd=tmp_path, timeout=170)
+    proc = run_cli(
+        "train", "--model", "cnn", "--strategy", "fsdp", "--epochs", "5", "--json", cwd=tmp_path, timeout=170
+    )
     s = last_json(proc.stdout)
     assert s["strategy"] == "zero3" and s["world_size"] == 2  # fsdp is an alias of zero3
     assert s["eval_accuracy"] >= 0.9
@@ -30,9 +32,24 @@ def test_train_cnn_with_zero3_from_the_cli(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_fsdp_mnist_example_runs_on_digits(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "paratrain", "launch", "--nproc-per-node", "2", str(REPO / "examples" / "fsdp_mnist.py"),
-         "--epochs", "2", "--save-model", str(tmp_path / "cnn.pt")],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=110,
+        [
+            sys.executable,
+            "-m",
+            "paratrain",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "examples" / "fsdp_mnist.py"),
+            "--epochs",
+            "2",
+            "--save-model",
+            str(tmp_path / "cnn.pt"),
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -50,8 +67,10 @@ def test_fsdp_mnist_example_runs_on_digits(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--strategy", "hsdp", "--nproc-per-node", "4", "--shard-size", "3"],
-         "--shard-size 3 does not divide the world size 4"),
+        (
+            ["--strategy", "hsdp", "--nproc-per-node", "4", "--shard-size", "3"],
+            "--shard-size 3 does not divide the world size 4",
+        ),
         (["--strategy", "ddp", "--offload"], "does not work with strategy 'ddp'"),
         (["--strategy", "hsdp", "--nproc-per-node", "1"], "hsdp needs at least 2 ranks"),
     ],

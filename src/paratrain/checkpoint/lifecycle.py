@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,11 +115,12 @@ class RunLifecycle:
             tr.log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
 
         if mode == "auto":
-            path = find_latest_valid(tr.ckpt.root, on_skip=skipped if self.ctx.is_main else None)
-            if path is None:
+            found = find_latest_valid(tr.ckpt.root, on_skip=skipped if self.ctx.is_main else None)
+            if found is None:
                 return
+            path = Path(found)
         else:
-            path = mode
+            path = Path(mode)
         loaded = tr.ckpt.load(path, tr.model, tr.optimizer)
         st = loaded.train_state
         tr.step = int(st["step"])

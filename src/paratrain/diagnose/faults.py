@@ -43,8 +43,11 @@ def maybe_fail(step: int, ctx: Context, fail_at_step: int | None, fail_rank: int
     """SIGKILL this process after ``step`` if it is the configured rank, on the first attempt only."""
     if fail_at_step is None or step != fail_at_step or ctx.rank != fail_rank or ctx.restart_count != 0:
         return
-    print(f"[paratrain] fault injection: rank {ctx.rank} kills itself (SIGKILL) at step {step}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[paratrain] fault injection: rank {ctx.rank} kills itself (SIGKILL) at step {step}",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,8 +121,12 @@ class PeerMonitor:
                 last_seen, last_change = value, now
             elif not self._warned and now - last_change > max(5.0, 5 * self.interval_s):
                 self._warned = True
-                print(f"[paratrain] rank {self.ctx.rank}: rank {neighbour} sent no heartbeat for "
-                      f"{now - last_change:.0f}s (dead or frozen)", file=sys.stderr, flush=True)
+                print(
+                    f"[paratrain] rank {self.ctx.rank}: rank {neighbour} sent no heartbeat for "
+                    f"{now - last_change:.0f}s (dead or frozen)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _read_one(self, rank: int) -> str | None:
         key = self._key(rank)
@@ -155,7 +162,8 @@ def _is_comm_error(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(
-        s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "gloo")
+        s in text
+        for s in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "gloo")
     )
 
 
