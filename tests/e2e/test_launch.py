@@ -27,8 +27,10 @@ if dist.get_rank() == 0:
         local, state = line.split()[1], line.split()[3]
         if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
             listening.append(local.rsplit(":", 1)[0])
-print(json.dumps({"rank": dist.get_rank(), "sum": t.item(), "args": sys.argv[1:],
-                  "master": os.environ["MASTER_ADDR"], "listening": listening}), flush=True)
+# one write per line: two ranks share the terminal, and print() writes the text and the newline separately
+sys.stdout.write(json.dumps({"rank": dist.get_rank(), "sum": t.item(), "args": sys.argv[1:],
+                             "master": os.environ["MASTER_ADDR"], "listening": listening}) + "\\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 
