@@ -8,6 +8,7 @@ launching process prints it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,3 +61,11 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # The run is complete (summary written, process groups destroyed). Skip interpreter finalization:
+    # Gloo's C++ worker threads can still hold work objects with tensors whose destruction needs the GIL
+    # while the interpreter is being torn down, which occasionally aborts the process (SIGABRT,
+    # "terminate called without an active exception"; see pytorch/pytorch#179291) and would turn a
+    # finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
