@@ -217,6 +217,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.train.run_dir = str(run_dir)
     config_path = run_dir / "config.json"
+    if cfg.train.progress is None:
+        # Workers write through the elastic agent's log relay, so their own stderr is never a terminal:
+        # the launching process decides whether a person is watching.
+        cfg.train.progress = sys.stderr.isatty()
     config_path.write_text(cfg.to_json())
     summary_path = run_dir / "summary.json"
     summary_path.unlink(missing_ok=True)
