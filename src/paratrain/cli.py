@@ -168,6 +168,13 @@ def preflight(cfg: RunConfig) -> int:
     strategy = get_strategy(cfg.strategy.name)
     check_strategy(strategy, world, cfg.strategy)
     cfg.validate(world, strategy.data_parallel_size(world, cfg.strategy))
+    if cfg.train.precision == "fp16" and strategy.name in ("zero1", "zero2"):
+        # The sharded optimizer reduce-scatters and frees gradients inside backward, before a GradScaler
+        # could unscale them and check them for inf/nan: loss scaling cannot be applied correctly.
+        raise ConfigError(
+            f"--precision fp16 does not work with strategy {strategy.name!r} (its gradients are sharded "
+            "and freed before loss scaling can unscale them). Use --precision bf16, or --strategy zero3."
+        )
     uses_cuda = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and gpu_count() > 0)
     if cfg.train.precision == "fp16" and not uses_cuda:
         raise ConfigError(

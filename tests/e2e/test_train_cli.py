@@ -87,6 +87,7 @@ def _assert_rejected_fast(tmp_path: Path, *args: str, needle: str) -> None:
         (("--batch-size", "-4"), "train.batch_size must be positive"),
         (("--batch-size", "63"), "not divisible by data-parallel size 2"),
         (("--precision", "fp16", "--device", "cpu"), "fp16 needs a CUDA GPU"),
+        (("--precision", "fp16", "--strategy", "zero2"), "fp16 does not work with strategy 'zero2'"),
         (("--set", "train.stepz=3"), "unknown key train.stepz"),
         (("--model", "cnn", "--data", "synthetic-regression"), "image inputs"),
     ],
