@@ -173,7 +173,7 @@ def preflight(cfg: RunConfig) -> int:
         # could unscale them and check them for inf/nan: loss scaling cannot be applied correctly.
         raise ConfigError(
             f"--precision fp16 does not work with strategy {strategy.name!r} (its gradients are sharded "
-            "and freed before loss scaling can unscale them). Use --precision bf16, or --strategy zero3."
+            "and freed before loss scaling can unscale them). Use --precision bf16."
         )
     uses_cuda = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and gpu_count() > 0)
     if cfg.train.precision == "fp16" and not uses_cuda:
