@@ -6,14 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from paratrain.config import RunConfig
-from paratrain.data import build_dataset
-from paratrain.models import build_model
 from paratrain.runtime import init
 from paratrain.train.trainer import full_parameters
 from paratrain.worker import train
+from tests.dist._reference import reference
 
 STEPS = 12
 OVERRIDES = [
@@ -33,27 +31,9 @@ def _cfg(strategy: str, *extra: str) -> RunConfig:
 
 
 def _reference(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """A plain single-process loop, written independently of paratrain's Trainer."""
-    torch.manual_seed(cfg.train.seed)
-    data = build_dataset(cfg.data)
-    model = build_model(cfg.model, data.input_shape, data.num_outputs)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=0.0)
-    n, b = len(data.train), cfg.train.batch_size
-    losses = []
-    epoch, pos = 0, 0
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed))
-    for _ in range(cfg.train.steps or 0):
-        if pos + b > n:
-            epoch, pos = epoch + 1, 0
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed + epoch))
-        idx = perm[pos : pos + b]
-        pos += b
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(data.train.x[idx]), data.train.y[idx])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    """The plain single-process loop of tests/dist/_reference.py (independent of paratrain's Trainer)."""
+    ref = reference(cfg)
+    return ref["losses"], ref["params"]
 
 
 def _run_rank_params(cfg_json: str, run_dir: str) -> tuple[list[float], dict[str, torch.Tensor] | None]:
