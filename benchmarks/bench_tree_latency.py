@@ -21,7 +21,7 @@ It also measures the two quantities the model is made of: the one-way latency of
 ping-pong between ranks 0 and 1, i.e. what one dependent hop costs) and the CPU time the root's
 calling thread spends per message it handles.
 
-    python benchmarks/bench_tree_latency.py                  # about 3 minutes on the 2-core VM
+    python benchmarks/bench_tree_latency.py                  # about 5 minutes on the 2-core VM
     python benchmarks/bench_tree_latency.py --quick --json   # smoke run, one JSON object
 
 Prints markdown tables (quoted in BENCHMARKS.md), writes ``results/tree_latency.json`` and
