@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make demo   -> set up .venv, then `paratrain train` (digits CNN, ddp over 2 local processes)
-#   make test   -> set up .venv, then ruff, mypy and the whole test suite
+#   make test   -> set up .venv, then ruff, import-linter (layers), mypy and the whole test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -22,11 +22,13 @@ demo: setup
 # lint and type check first (seconds), then the suite: unit, distributed (2-4 Gloo ranks), end to end
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check src tests benchmarks examples
 
 typecheck: setup

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paratrain.comm.bench import format_size, plot, winners
+from paratrain.bench.comm import format_size, plot, winners
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

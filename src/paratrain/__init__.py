@@ -1,27 +1,48 @@
 """paratrain: distributed PyTorch training, correct by construction.
 
-import paratrain
-ctx = paratrain.init()                                   # reads the torchrun environment
-model, optimizer, strategy = paratrain.setup(model, optimizer, strategy="ddp", ctx=ctx)
+    import paratrain
+    ctx = paratrain.init()                                   # reads the torchrun environment
+    model, optimizer, strategy = paratrain.setup(model, optimizer, strategy="ddp", ctx=ctx)
+
+The names below are imported on first use, so ``import paratrain.diagnose.lint`` (pure source analysis)
+does not pay for importing torch.
 """
 
-from paratrain.config import ConfigError, RunConfig
-from paratrain.parallel import Strategy, available_strategies, setup
-from paratrain.runtime import Context, get_logger, init, print0, shutdown
-from paratrain.train import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "Context",
-    "RunConfig",
-    "Strategy",
-    "Trainer",
-    "available_strategies",
-    "get_logger",
-    "init",
-    "print0",
-    "setup",
-    "shutdown",
-]
+_EXPORTS = {
+    "ConfigError": "paratrain.errors",
+    "RunConfig": "paratrain.config",
+    "Strategy": "paratrain.parallel",
+    "Topology": "paratrain.parallel",
+    "available_strategies": "paratrain.parallel",
+    "setup": "paratrain.parallel",
+    "Context": "paratrain.runtime",
+    "get_logger": "paratrain.runtime",
+    "init": "paratrain.runtime",
+    "print0": "paratrain.runtime",
+    "shutdown": "paratrain.runtime",
+    "Trainer": "paratrain.train",
+}
+
+if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time __getattr__ imports them
+    from paratrain.config import RunConfig  # noqa: F401
+    from paratrain.errors import ConfigError  # noqa: F401
+    from paratrain.parallel import Strategy, Topology, available_strategies, setup  # noqa: F401
+    from paratrain.runtime import Context, get_logger, init, print0, shutdown  # noqa: F401
+    from paratrain.train import Trainer  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_EXPORTS)

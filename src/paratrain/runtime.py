@@ -12,6 +12,7 @@ Reference: https://pytorch.org/docs/stable/distributed.html#initialization
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import random
@@ -168,6 +169,43 @@ def init(
     )
 
 
+def die_with_launcher() -> None:
+    """Make this worker exit when the process that launched it dies, however it dies.
+
+    The torch elastic agent starts every worker in a session of its own, so a SIGKILL of the launcher's
+    process group (an OOM killer, a scheduler, a closed terminal) would leave the workers training on,
+    writing checkpoints into a directory the next run is already using. On Linux the kernel delivers
+    SIGKILL to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``); if the parent is already
+    gone when this runs, exit now. The heartbeat thread (:mod:`paratrain.faults`) backs this up on every
+    platform: it exits the process when the launcher's store stops answering.
+    """
+    launcher = _env_int("PARATRAIN_LAUNCHER_PID", 0)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except OSError:  # not glibc: the heartbeat watchdog still covers it
+            pass
+    if launcher and os.getppid() != launcher and not _pid_alive(launcher):
+        print(f"[paratrain] rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; exiting",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def shutdown() -> None:
     """Destroy the process group if one exists. Safe to call twice."""
     if dist.is_available() and dist.is_initialized():
@@ -181,18 +219,88 @@ def print0(*args: Any, ctx: Context | None = None, **kwargs: Any) -> None:
         print(*args, **kwargs)
 
 
+class _ConsoleFilter(logging.Filter):
+    """The console shows rank 0's records and only the warnings and errors of the other ranks."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.levelno >= logging.WARNING
+
+
 def get_logger(ctx: Context | None = None, level: int = logging.INFO) -> logging.Logger:
-    """The ``paratrain`` logger; records below WARNING are dropped on ranks other than 0."""
+    """The ``paratrain`` logger. Its console handler (stderr) drops records below WARNING on ranks other
+    than 0 and prefixes theirs with ``[rank r]``; a worker's rank log (:mod:`paratrain.train.logs`) keeps
+    every record of its rank."""
     rank = ctx.rank if ctx is not None else _env_int("RANK", 0)
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[paratrain %(levelname)s] %(message)s"))
+        handler.set_name("paratrain-console")
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(level if rank == 0 else logging.WARNING)
+    for h in log.handlers:
+        if h.get_name() == "paratrain-console":
+            prefix = f"[rank {rank}] " if rank != 0 else ""
+            h.setFormatter(logging.Formatter(prefix + "[paratrain %(levelname)s] %(message)s"))
+            h.filters = [_ConsoleFilter(rank)]
+    log.setLevel(level)
     return log
 
 
 def device_synchronizer(device: torch.device) -> Callable[[], None]:
     """``torch.cuda.synchronize`` on CUDA, a no-op elsewhere (nanochat's one-helper rule)."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+# Dense peak FLOP/s by device name fragment (vendor data sheets; bf16/fp16 tensor cores, and tf32/fp32).
+_PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989e12, 67e12),
+    ("H100", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("A10", 125e12, 31.2e12),
+    ("V100", 125e12, 15.7e12),
+)
+
+
+def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
+    """Peak dense FLOP/s of ``device`` at ``precision`` (16-bit for bf16/fp16), or ``None`` when unknown
+    (CPUs, and GPUs not in the table). Used for MFU; never guessed."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, half, single in _PEAK_FLOPS:
+        if fragment in name:
+            return half if precision in ("bf16", "fp16") else single
+    return None
+
+
+def record_errors(fn: Any) -> Any:
+    """Decorate a worker ``main``: on an exception, write the agent's error file, print one line, exit 1.
+
+    This replaces torch's ``@record`` (which re-raises and so prints a full traceback on every rank):
+    the launcher prints the first failure once, with the traceback's last frame.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit:
+            raise
+        except BaseException as e:
+            handler = ErrorHandler()
+            handler.initialize()
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                handler.record_exception(e)
+                rank = os.environ.get("RANK", "?")
+                print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            else:
+                raise
+            sys.exit(1)
+
+    return wrapper

@@ -156,7 +156,9 @@ def run_distributed(
                     continue
                 if status == "error":
                     raise RuntimeError(f"rank {rank} raised:\n{payload}")
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                results[rank] = torch.load(
+                    io.BytesIO(payload), weights_only=False
+                )  # paratrain: ignore[unsafe-torch-load]  (our own child processes)
         finally:
             for p in procs:
                 p.join(timeout=5 if len(results) == world_size else 0.1)

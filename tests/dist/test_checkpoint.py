@@ -36,7 +36,7 @@ def _cfg(run_dir: Path, *extra: str) -> RunConfig:
 
 def _train(cfg: RunConfig) -> dict[str, Any]:
     from paratrain.runtime import init
-    from paratrain.worker import train
+    from paratrain.train.worker import train
 
     ctx = init("gloo", "cpu", cfg.launch.timeout_s, cfg.train.seed)
     return train(cfg, ctx, Path(cfg.train.run_dir)).summary()
@@ -162,7 +162,7 @@ def test_async_save_error_fails_every_rank(dist_run: Any, tmp_path: Path) -> Non
 
 
 def _hung_peer() -> tuple[str, float]:
-    from paratrain.diagnose.faults import PeerLostError, peer_guard
+    from paratrain.faults import PeerLostError, peer_guard
     from paratrain.runtime import init
 
     ctx = init("gloo", "cpu", 30.0, 0)

@@ -10,7 +10,7 @@ import torch
 from paratrain.config import RunConfig
 from paratrain.runtime import init
 from paratrain.train.trainer import full_parameters
-from paratrain.worker import train
+from paratrain.train.worker import train
 from tests.dist._reference import reference
 
 STEPS = 12

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.config import COMM_ALGORITHMS
 from tests.dist._reference import assert_matches, make_cfg, reference, train_cases
 
 MLP = [
@@ -18,13 +19,7 @@ MLP = [
     "train.steps=4", "train.batch_size=16", "optimizer.name=sgd", "optimizer.lr=0.05",
     "strategy.bucket_cap_mb=0.002",  # ~2 KB buckets: the 5 KB model spreads over several buckets
 ]  # fmt: skip
-try:  # paratrain.comm provides the from-scratch all-reduces; native needs only torch.distributed
-    from paratrain.comm import all_reduce as _comm_all_reduce  # noqa: F401
-
-    HAVE_COMM = True
-except ImportError:
-    HAVE_COMM = False
-ALGORITHMS = ["native", "ring", "tree", "naive", "rhd"] if HAVE_COMM else ["native"]
+ALGORITHMS = list(COMM_ALGORITHMS)  # a missing algorithm fails the test, it never silently drops out
 
 
 def _cases(world_size: int) -> dict[str, list[str]]:
@@ -58,8 +53,6 @@ def test_strategies_match_single_process(dist_run: Any, tmp_path: Path, world_si
         for got, got0 in zip(results[r], rank0, strict=True):
             for k, v in got["local_params"].items():
                 assert torch.equal(v, got0["local_params"][k])
-    if not HAVE_COMM:
-        pytest.skip("paratrain.comm is not importable: only dp's native all-reduce was checked")
 
 
 # ---- parameters without a gradient --------------------------------------------------------------------------

@@ -148,10 +148,11 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int, float | None, float]]] = {
         ("zero2", {"bucket_cap_mb": 0.002}, 1, 0.5, 1e-5),  # ~2 KB buckets: several reduce-scatters in flight
         ("zero3", {}, 2, 0.5, 1e-5),
         ("hsdp", {"shard_size": 2}, 1, 0.5, 1e-5),
-        ("zero3", {"offload": True, "shard_units": "root"}, 1, None, 1e-5),
-        ("zero3", {"mixed_precision": "bf16"}, 1, None, 3e-2),  # bf16 compute/reduce, fp32 master weights
+        ("zero3", {"offload": True, "shard_units": "root"}, 1, None, 1e-5),  # on CPU: the same code path
     ],
 }
+# bf16 (zero3's MixedPrecisionPolicy included) is held to a bf16 reference in test_precision.py: against this
+# fp32 reference only a loose tolerance would pass, one that frozen weights pass too.
 
 
 def _memory(names: list[str]) -> dict[str, tuple[int, int]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from paratrain import comm
-from paratrain.comm.bench import COLLECTIVES
+from paratrain.bench.comm import COLLECTIVES
 from tests.conftest import last_json, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +41,7 @@ def test_bench_comm_json_and_plot(tmp_path: Path) -> None:
         assert r["time_s"] > 0 and r["min_s"] <= r["time_s"]
         assert r["algbw_GBps"] == pytest.approx(size / r["time_s"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor.get(collective, 1.0))
-        assert (r["model_s"] is None) == (algorithm == "native")
+        assert (r["model_s"] is None) == (algorithm in ("native", "shm"))  # shm: memory-bound, no α–β model
     assert result["model"]["alpha_s"] > 0 and result["model"]["beta_s_per_byte"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -63,6 +63,12 @@ def test_bench_comm_table(tmp_path: Path) -> None:
         "native",
     ]  # in the order asked
     assert rows[-1][-1] == "1.00x"  # native against itself
+    # "vs native" is busbw / native's busbw = native's time / this time (same size, same busbw factor):
+    # a ratio taken the wrong way round, or against the wrong row, would not match the printed times
+    times = {r[1] if r[0] == "4KB" else r[0]: float(r[2] if r[0] == "4KB" else r[1]) for r in rows}
+    for r in rows[:-1]:
+        alg, ratio = (r[1] if r[0] == "4KB" else r[0]), float(r[-1].rstrip("x"))
+        assert ratio == pytest.approx(times["native"] / times[alg], abs=0.006, rel=1e-3), (alg, out)
     assert "fastest algorithm by size:" in out
 
 

@@ -50,19 +50,14 @@ def test_launch_dropin_runs_script_on_loopback_only(tmp_path: Path) -> None:
     assert rank0["listening"] == ["0100007F"], rank0["listening"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None:
     port = free_port()
+    job = ["--model", "mlp", "--data", "synthetic-classification", "--steps", "4", "--batch-size", "32",
+           "--json"]  # fmt: skip
     common = [
         "train",
-        "--model",
-        "mlp",
-        "--data",
-        "synthetic-classification",
-        "--steps",
-        "4",
-        "--batch-size",
-        "32",
+        *job,
         "--nnodes",
         "2",
         "--nproc-per-node",
@@ -73,7 +68,6 @@ def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None
         "e2e-two-agents",
         "--run-dir",
         str(tmp_path / "run"),
-        "--json",
     ]
     procs = [
         subprocess.Popen(
@@ -93,3 +87,8 @@ def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None
     assert summaries, [err for _, err in outs]
     s = summaries[0]
     assert s["world_size"] == 2 and s["steps"] == 4 and s["param_sha256"]
+    # the same job as 2 local ranks of one agent: the two agents trained exactly the same model
+    local = last_json(run_cli("train", *job, "--nproc-per-node", "2", "--run-dir", str(tmp_path / "local"),
+                              cwd=tmp_path, timeout=100).stdout)  # fmt: skip
+    assert local["world_size"] == 2 and local["losses"] == s["losses"]
+    assert local["param_sha256"] == s["param_sha256"]

@@ -48,7 +48,7 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
     """The reference: the same job run in-process on every rank, never interrupted."""
     from paratrain.config import RunConfig
     from paratrain.runtime import init
-    from paratrain.worker import train
+    from paratrain.train.worker import train
 
     cfg = RunConfig.from_json(cfg_json)
     ctx = init("gloo", "cpu", 60.0, cfg.train.seed)

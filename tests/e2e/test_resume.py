@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from paratrain.parallel import available_strategies
 from tests.conftest import last_json, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +34,7 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
     """The reference: the same job run in-process on every rank, never interrupted."""
     from paratrain.config import RunConfig
     from paratrain.runtime import init
-    from paratrain.worker import train
+    from paratrain.train.worker import train
 
     cfg = RunConfig.from_json(cfg_json)
     ctx = init("gloo", "cpu", 60.0, cfg.train.seed)
@@ -45,8 +44,6 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, dist_run: Any) -> None:
-    if strategy not in available_strategies():
-        pytest.skip(f"strategy {strategy} is not registered in this build")
     args = [*COMMON, "--strategy", strategy, "--nproc-per-node", "2"]
     from paratrain.cli import build_config, make_parser
 
@@ -72,7 +69,7 @@ def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, 
     )
     got = last_json(proc.stdout)
     assert "rank 1 kills itself (SIGKILL) at step 5" in proc.stderr
-    assert "rank(s) [1] stopped responding" in proc.stderr  # the survivor named the dead peer
+    assert "rank 1 stopped responding" in proc.stderr  # the survivor named the dead peer
     assert got["restarts"] == 1 and got["resumed_from_step"] == 3
     assert got["param_sha256"] == ref["param_sha256"]
     assert got["losses"] == ref["losses"]  # the whole curve, including the steps before the crash

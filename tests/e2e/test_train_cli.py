@@ -81,8 +81,8 @@ def _assert_rejected_fast(tmp_path: Path, *args: str, needle: str) -> None:
     ("args", "needle"),
     [
         (("--strategy", "ddpp"), "unknown strategy 'ddpp'. Choose one of"),
-        (("--model", "gpt7"), "model.name='gpt7' is not valid"),
-        (("--data", "imagenet"), "data.name='imagenet' is not valid"),
+        (("--model", "gpt7"), "unknown model 'gpt7'"),
+        (("--data", "imagenet"), "unknown dataset 'imagenet'"),
         (("--batch-size", "0"), "train.batch_size must be positive"),
         (("--batch-size", "-4"), "train.batch_size must be positive"),
         (("--batch-size", "63"), "not divisible by data-parallel size 2"),
@@ -142,7 +142,7 @@ def test_worker_error_file_gives_message_and_frame(tmp_path: Path) -> None:
     script = tmp_path / "boom.py"
     script.write_text(
         "import os\n"
-        "from paratrain.launch import record_errors\n"
+        "from paratrain.runtime import record_errors\n"
         "@record_errors\n"
         "def main():\n"
         "    if os.environ['RANK'] == '1':\n"

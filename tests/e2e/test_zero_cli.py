@@ -69,10 +69,10 @@ def test_fsdp_mnist_example_runs_on_digits(tmp_path: Path) -> None:
     [
         (
             ["--strategy", "hsdp", "--nproc-per-node", "4", "--shard-size", "3"],
-            "--shard-size 3 does not divide the world size 4",
+            "--shard-size 3 does not divide the data-parallel size 4",
         ),
         (["--strategy", "ddp", "--offload"], "does not work with strategy 'ddp'"),
-        (["--strategy", "hsdp", "--nproc-per-node", "1"], "hsdp needs at least 2 ranks"),
+        (["--strategy", "hsdp", "--nproc-per-node", "1"], "hsdp needs at least 2 data-parallel ranks"),
     ],
 )
 def test_bad_sharding_input_fails_before_any_worker(tmp_path: Path, argv: list[str], message: str) -> None:

@@ -63,17 +63,34 @@ def _save_steps(
 
 
 def test_save_commit_latest_and_load_roundtrip(tmp_path: Path) -> None:
-    mgr, m = _save_steps(tmp_path, [2, 4])
+    mgr = CheckpointManager(tmp_path, _ctx())
+    m, opt = _model()
+    for s in (2, 4):
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        m(torch.randn(5, 4)).sum().backward()
+        opt.step()  # the saved optimizer state is the 2nd and 3rd step's, not a fresh model's
+        mgr.save(s, m, opt, {"note": s}, rng_state())
     assert (tmp_path / "latest").read_text().strip() == "step_00000004"
     assert not list(tmp_path.glob(".step_*"))  # the temporary directory became the final one
     assert check_checkpoint(tmp_path / "step_00000004") == []
-    m2, opt2 = _model()
+    saved = opt.state_dict()
+    m2, opt2 = _model()  # one step: its AdamW state (step 1, other moments) differs from the saved one
+    assert float(opt2.state_dict()["state"][0]["step"]) == 1.0 and float(saved["state"][0]["step"]) == 3.0
+    assert not torch.equal(opt2.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
     loaded = mgr.load(tmp_path / "step_00000004", m2, opt2)
     assert loaded.train_state["step"] == 4 and loaded.train_state["note"] == 4
     for a, b in zip(m.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
-    s1 = opt2.state_dict()["state"][0]["exp_avg"]
-    assert torch.equal(s1, mgr_opt_state(tmp_path / "step_00000004"))
+    # every entry of the optimizer state is the saved one: the step counts and both moments of every parameter
+    got = opt2.state_dict()
+    assert set(got["state"]) == set(saved["state"]) == {0, 1, 2, 3}
+    for i, st in saved["state"].items():
+        assert set(got["state"][i]) == set(st), i
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    assert got["param_groups"][0]["lr"] == saved["param_groups"][0]["lr"]
+    assert torch.equal(got["state"][0]["exp_avg"], mgr_opt_state(tmp_path / "step_00000004"))
 
 
 def mgr_opt_state(path: Path) -> torch.Tensor:
@@ -201,7 +218,7 @@ def test_preflight_resume_refuses_other_model(tmp_path: Path) -> None:
 
 # ---- launcher and Slurm -------------------------------------------------------------------------------------
 def test_slurm_detection_and_sbatch() -> None:
-    from paratrain import slurm
+    from paratrain.launch import slurm
 
     assert slurm.expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
     env = {
@@ -243,13 +260,20 @@ def test_cli_prints_sbatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=3" in out and "train.py --x 1" in out
 
 
-def test_launch_config_standalone_is_loopback_and_multinode_needs_endpoint() -> None:
-    from paratrain.launch import LOOPBACK_BACKEND, _elastic_config
+def test_launch_config_standalone_is_loopback_and_multinode_needs_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    from paratrain.launch import LOOPBACK_BACKEND
+    from paratrain.launch.agent import _elastic_config
 
     c = _elastic_config(LaunchConfig(), 2)
     assert c.rdzv_backend == LOOPBACK_BACKEND and c.rdzv_endpoint.startswith("127.0.0.1:")
-    m = _elastic_config(LaunchConfig(nnodes="2", node_rank=1, rdzv_endpoint="127.0.0.1:2999"), 1)
-    assert m.rdzv_backend == "c10d" and m.rdzv_configs["is_host"] is False and m.min_nodes == 2
+    # a loopback endpoint (several agents on one machine) keeps every store on loopback too
+    for host in ("127.0.0.1", "localhost", "127.0.0.2"):
+        m = _elastic_config(LaunchConfig(nnodes="2", node_rank=1, rdzv_endpoint=f"{host}:2999"), 1)
+        assert m.rdzv_backend == LOOPBACK_BACKEND and m.rdzv_configs["is_host"] is False and m.min_nodes == 2
+    assert "no authentication" not in capsys.readouterr().err
+    # a network endpoint: torch's c10d store, with one warning that it is unauthenticated
+    n = _elastic_config(LaunchConfig(nnodes="2", node_rank=1, rdzv_endpoint="10.1.2.3:2999"), 1)
+    assert n.rdzv_backend == "c10d" and "no authentication" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="rdzv-endpoint"):
         _elastic_config(LaunchConfig(nnodes="1:2"), 1)
 

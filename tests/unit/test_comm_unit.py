@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from paratrain import comm
-from paratrain.comm import bench, cost
+from paratrain.bench import comm as bench
+from paratrain.comm import cost
 from paratrain.comm._common import chunk_bounds
 from paratrain.comm.tree import binomial_tree
 from paratrain.config import ConfigError

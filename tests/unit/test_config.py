@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.config import ConfigError, DataConfig, RunConfig, TrainConfig
+from paratrain.config import ConfigError, DataConfig, RunConfig, StrategyConfig, TrainConfig
 
 
 def test_defaults_are_the_documented_default_workload() -> None:
@@ -83,7 +83,7 @@ def test_set_overrides_parse_by_declared_type() -> None:
         ("train.steps", "write section.key=value"),
         ("steps=3", "must be section.key"),
         ("trian.steps=3", "unknown section 'trian'"),
-        ("train.steps=three", "cannot read 'three' as int"),
+        ("train.steps=three", "train.steps: expected an integer, got 'three'"),
         ("train.steps=-1", "train.steps must be positive"),
     ],
 )
@@ -113,24 +113,39 @@ def test_validate_global_batch_divisibility_message() -> None:
 
 
 @pytest.mark.parametrize(
-    ("item", "needle"),
+    ("lookup", "name", "needle"),
     [
-        ("strategy.name=zero9", "strategy.name='zero9' is not valid"),
-        ("model.name=transformr", "model.name='transformr' is not valid"),
-        ("data.name=imagenet", "data.name='imagenet' is not valid"),
+        ("strategy", "zero9", "unknown strategy 'zero9'"),
+        ("model", "transformr", "unknown model 'transformr'"),
+        ("data", "imagenet", "unknown dataset 'imagenet'"),
     ],
 )
-def test_validate_unknown_registry_names(item: str, needle: str) -> None:
-    cfg = RunConfig().override([item])
+def test_registries_refuse_unknown_names(lookup: str, name: str, needle: str) -> None:
+    from paratrain.data import get_dataset_builder
+    from paratrain.models import get_model_builder
+    from paratrain.parallel import get_strategy
+
+    fn = {"strategy": get_strategy, "model": get_model_builder, "data": get_dataset_builder}[lookup]
     with pytest.raises(ConfigError) as e:
-        cfg.validate(world_size=2)
+        fn(name)
     assert needle in str(e.value) and "Choose one of" in str(e.value)
 
 
+def test_config_module_imports_no_registry() -> None:
+    """config.py sits at the bottom of the import graph: importing it loads no strategy, model or dataset."""
+    import subprocess
+    import sys
+
+    code = "import sys, paratrain.config; print([m for m in sys.modules if m.startswith('paratrain.') and m not in ('paratrain.config', 'paratrain.errors')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_single_strategy_refuses_several_processes() -> None:
-    cfg = RunConfig().override(["strategy.name=single"])
+    from paratrain.parallel import check_strategy, get_strategy
+
     with pytest.raises(ConfigError, match="--nproc-per-node 1"):
-        cfg.validate(world_size=2)
+        check_strategy(get_strategy("single"), 2, StrategyConfig(name="single"))
 
 
 @pytest.mark.parametrize("nnodes", ["0", "2:1", "a", "1:2:3"])

@@ -15,14 +15,9 @@ from paratrain.data import build_dataset
 from paratrain.data.cifar import MEAN, RECORD_BYTES, STD
 from paratrain.data.transforms import crop_flip, random_crop, random_hflip
 from paratrain.models import build_model, count_parameters
-from paratrain.parallel.dp import plan_buckets
-from paratrain.train.features import (
-    apply_activation_checkpointing,
-    choose_sync_batchnorm,
-    convert_sync_batchnorm,
-    count_batchnorm,
-    preflight_features,
-)
+from paratrain.parallel.bucketed import plan_buckets
+from paratrain.parallel.layers import choose_sync_batchnorm, convert_sync_batchnorm, count_batchnorm
+from paratrain.parallel.parallelize import apply_activation_checkpointing, preflight_features
 
 
 def write_cifar(path: Path, labels: np.ndarray, images: np.ndarray) -> None:
@@ -175,7 +170,10 @@ def test_preflight_features() -> None:
     warnings = preflight_features(cfg, mlp)
     assert len(warnings) == 1 and "no BatchNorm" in warnings[0]
     cfg.train.activation_checkpointing = True
-    assert preflight_features(cfg, mlp)  # mlp has blocks: no error
+    # mlp has blocks: no error, and checkpointing adds no warning of its own (only the BatchNorm one stays)
+    assert preflight_features(cfg, mlp) == warnings
+    cfg.train.sync_batchnorm = False
+    assert preflight_features(cfg, mlp) == []
     with pytest.raises(ConfigError, match="has none"):
         preflight_features(cfg, torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="has none"):

@@ -11,6 +11,7 @@ Algorithms (α–β costs in each module's docstring and in docs/comm.md):
 - ``tree``  (:mod:`.tree`): binomial tree, ⌈log2 n⌉ rounds; latency-optimal broadcast/reduce.
 - ``ring``  (:mod:`.ring`): chunked, pipelined reduce-scatter + all-gather; bandwidth-optimal.
 - ``rhd``   (:mod:`.rhd`): Rabenseifner's recursive halving/doubling, any n.
+- ``shm``   (:mod:`.shm`): one shared-memory segment per group, no sockets; the ranks of one host only.
 - ``native``: the backend's own collective (Gloo, NCCL), so callers can switch between the two.
 
 Conventions, shared by every function:
@@ -35,20 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import naive, rhd, ring, tree
-from paratrain.comm._common import (
-    ALGORITHMS,
-    OPS,
-    Peers,
-    check_algorithm,
-    check_consistent,
-    check_op,
-    chunk_bounds,
-    contiguous_buffer,
-    finish_mean_,
-    native_op,
-    peers,
-)
+from paratrain.comm import naive, rhd, ring, shm, tree
+from paratrain.comm._check import ALGORITHMS, check_algorithm, check_consistent
+from paratrain.comm._common import Peers, chunk_bounds, contiguous_buffer, peers
+from paratrain.comm._ops import OPS, check_op, finish_mean_, native_op
 from paratrain.comm._scatter import scatter
 
 __all__ = [
@@ -96,6 +87,8 @@ def broadcast(
         dist.broadcast(buf, src=src, group=group)
     elif algorithm == "naive":
         naive.broadcast(buf, root, p)
+    elif algorithm == "shm":
+        shm.broadcast(buf, src, group)
     else:
         tree.broadcast(buf, root, p)
     return _write_back(tensor, buf)
@@ -129,6 +122,8 @@ def reduce(
             finish_mean_(buf, op, p.size)
     elif algorithm == "naive":
         naive.reduce(buf, root, op, p)
+    elif algorithm == "shm":
+        shm.reduce(buf, dst, op, group)
     else:
         tree.reduce(buf, root, op, p)
     return _write_back(tensor, buf) if p.rank == root else tensor
@@ -148,6 +143,8 @@ def all_reduce(
     if algorithm == "native":
         dist.all_reduce(buf, op=native_op(op), group=group)
         finish_mean_(buf, op, p.size)
+    elif algorithm == "shm":
+        shm.all_reduce(buf, op, group)
     else:
         {"naive": naive.all_reduce, "tree": tree.all_reduce, "ring": ring.all_reduce, "rhd": rhd.all_reduce}[
             algorithm
@@ -177,6 +174,8 @@ def all_gather(
         dist.all_gather_single(flat, mine, group=group)
     elif algorithm == "naive":
         naive.all_gather(mine, flat, bounds, p)
+    elif algorithm == "shm":
+        shm.get_communicator(group).all_gather_flat(mine, bounds, flat)
     else:
         flat[bounds[p.rank][0] : bounds[p.rank][1]].copy_(mine)
         ring.all_gather(flat, bounds, p)
@@ -203,6 +202,8 @@ def reduce_scatter(
     out_shape = (rows[p.rank][1] - rows[p.rank][0], *tensor.shape[1:])
     if tensor.numel() == 0:
         return torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+    if algorithm == "shm":  # reads the caller's tensor where it lies: no scratch copy needed
+        return shm.reduce_scatter(tensor, op, group)
     # Scratch copy: the algorithms reduce in place and the caller's tensor must stay unchanged.
     work = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     work.view(tensor.shape).copy_(tensor)

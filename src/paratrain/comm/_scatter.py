@@ -24,14 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm._common import (
-    check_algorithm,
-    default_device,
-    dtype_code,
-    dtype_from_code,
-    peers,
-    wait_all,
-)
+from paratrain.comm._check import check_algorithm, dtype_code, dtype_from_code
+from paratrain.comm._common import default_device, peers, wait_all
 from paratrain.comm.naive import scatter_from
 
 _MAX_DIMS = 16

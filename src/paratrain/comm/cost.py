@@ -86,8 +86,9 @@ def ring_pieces(nbytes: float, n: int, piece_bytes: int = PIECE_BYTES) -> int:
 def predict(
     collective: str, algorithm: str, n: int, nbytes: float, m: LinkModel, piece_bytes: int = PIECE_BYTES
 ) -> float | None:
-    """Predicted seconds of ``collective`` with ``algorithm`` (``None`` for ``native``: not our schedule)."""
-    if algorithm == "native":
+    """Predicted seconds of ``collective`` with ``algorithm``; ``None`` for ``native`` (not our schedule) and
+    ``shm`` (no messages: its cost is memory bandwidth, see ``benchmarks/bench_shm.py``, not α–β)."""
+    if algorithm in ("native", "shm"):
         return None
     if n == 1:
         return 0.0

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.comm._common import Peers, combine_, finish_mean_, wait_all
+from paratrain.comm._common import Peers, wait_all
+from paratrain.comm._ops import combine_, finish_mean_
 
 
 def broadcast(buf: torch.Tensor, root: int, peers: Peers) -> None:

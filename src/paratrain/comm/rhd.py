@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.comm._common import Peers, chunk_bounds, combine_, finish_mean_, wait_all
+from paratrain.comm._common import Peers, chunk_bounds, wait_all
+from paratrain.comm._ops import combine_, finish_mean_
 
 
 def all_reduce(buf: torch.Tensor, op: str, peers: Peers) -> None:

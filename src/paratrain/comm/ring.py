@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from paratrain.comm._common import Peers, chunk_bounds, combine_, finish_mean_, wait_all
+from paratrain.comm._common import Peers, chunk_bounds, wait_all
+from paratrain.comm._ops import combine_, finish_mean_
 
 PIECE_BYTES = 4 << 20
 """Default pipelining granularity. Smaller pieces overlap more but pay α per piece."""

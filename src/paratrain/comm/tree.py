@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.comm._common import Peers, combine_, finish_mean_, wait_all
+from paratrain.comm._common import Peers, wait_all
+from paratrain.comm._ops import combine_, finish_mean_
 
 
 def binomial_tree(v: int, n: int) -> tuple[int | None, list[int]]:

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from paratrain.config import ConfigError, DataConfig
+from paratrain.config import DataConfig
+from paratrain.data.batch import Batch
 from paratrain.data.sampler import DistributedBatchSampler
+from paratrain.errors import ConfigError, suggest
 
 __all__ = [
+    "Batch",
     "DistributedBatchSampler",
     "Splits",
     "TensorData",
@@ -38,13 +41,17 @@ class TensorData:
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
+    def batch(self, indices: torch.Tensor) -> Batch:
+        return Batch(self.x[indices], self.y[indices])
+
 
 @dataclass
 class Splits:
     train: TensorData
     test: TensorData
     task: str
-    """``classification`` (cross-entropy, accuracy) or ``regression`` (mean squared error)."""
+    """``classification`` (cross-entropy, accuracy), ``regression`` (mean squared error) or ``lm``
+    (next-token cross-entropy over ``[batch, seq_len]`` token ids; perplexity)."""
     input_shape: tuple[int, ...]
     num_outputs: int
 
@@ -67,10 +74,15 @@ def available_datasets() -> list[str]:
 
 
 def build_dataset(cfg: DataConfig) -> Splits:
+    return get_dataset_builder(cfg.name)(cfg)
+
+
+def get_dataset_builder(name: str) -> DatasetBuilder:
+    """The builder registered as ``name``; :class:`ConfigError` with a suggestion otherwise."""
     _load_builtin()
-    if cfg.name not in _REGISTRY:
-        raise ConfigError(f"unknown dataset {cfg.name!r}. Choose one of: {', '.join(available_datasets())}.")
-    return _REGISTRY[cfg.name](cfg)
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown dataset {name!r}. {suggest(name, available_datasets())}")
+    return _REGISTRY[name]
 
 
 def split_indices(n: int, test_fraction: float, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,4 +94,10 @@ def split_indices(n: int, test_fraction: float, seed: int = 1234) -> tuple[torch
 
 
 def _load_builtin() -> None:
-    from paratrain.data import cifar, digits, mnist, synthetic  # noqa: F401  (registers)
+    from paratrain.data import (  # noqa: F401  (registers)
+        cifar,
+        digits,
+        mnist,
+        synthetic,
+        text_datasets,
+    )

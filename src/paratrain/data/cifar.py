@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paratrain.config import ConfigError, DataConfig
+from paratrain.config import DataConfig
 from paratrain.data import Splits, TensorData, register_dataset, split_indices
 from paratrain.data.transforms import crop_flip, normalize
+from paratrain.errors import ConfigError
 
 RECORD_BYTES = 1 + 3 * 32 * 32
 MEAN = (0.4914, 0.4822, 0.4465)

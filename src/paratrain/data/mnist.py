@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratrain.config import ConfigError, DataConfig
+from paratrain.config import DataConfig
 from paratrain.data import Splits, TensorData, register_dataset, split_indices
 from paratrain.data.transforms import normalize, random_crop
+from paratrain.errors import ConfigError
 
 _IDX_DTYPES: dict[int, np.dtype[Any]] = {
     code: np.dtype(t)

@@ -3,11 +3,13 @@ wrap one by one and that activation checkpointing recomputes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from torch import nn
 
-from paratrain.config import ConfigError, ModelConfig
+from paratrain.config import ModelConfig
+from paratrain.errors import ConfigError, suggest
 
 ModelBuilder = Callable[[ModelConfig, tuple[int, ...], int], nn.Module]
 _REGISTRY: dict[str, ModelBuilder] = {}
@@ -28,15 +30,45 @@ def available_models() -> list[str]:
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
     """Build ``cfg.name`` for inputs of ``input_shape`` (without the batch dim) and ``num_outputs`` logits."""
+    return get_model_builder(cfg.name)(cfg, input_shape, num_outputs)
+
+
+def get_model_builder(name: str) -> ModelBuilder:
+    """The builder registered as ``name``; :class:`ConfigError` with a suggestion otherwise."""
     _load_builtin()
-    if cfg.name not in _REGISTRY:
-        raise ConfigError(f"unknown model {cfg.name!r}. Choose one of: {', '.join(available_models())}.")
-    return _REGISTRY[cfg.name](cfg, input_shape, num_outputs)
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown model {name!r}. {suggest(name, available_models())}")
+    return _REGISTRY[name]
 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _llama(preset: str) -> ModelBuilder:
+    """Builder of a Llama preset; ``--set model.*`` overrides its fields, the tokenizer sets the vocabulary."""
+
+    def build(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
+        from paratrain.models.llama import PRESETS, LlamaConfig, build_llama
+
+        fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        o = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields and v is not None}
+        if "vocab_size" in o and o["vocab_size"] < num_outputs:
+            raise ConfigError(
+                f"model.vocab_size={o['vocab_size']} is smaller than the tokenizer's vocabulary "
+                f"({num_outputs}). Leave model.vocab_size unset, or raise it."
+            )
+        o.setdefault("vocab_size", num_outputs)
+        o.setdefault("max_seq_len", max(PRESETS[preset].max_seq_len, input_shape[0]))
+        return build_llama(preset, o)
+
+    return build
+
+
 def _load_builtin() -> None:
+    if "llama-debug" not in _REGISTRY:
+        from paratrain.models.llama import PRESETS
+
+        for name in PRESETS:
+            _REGISTRY[name] = _llama(name)
     from paratrain.models import cnn, mlp, resnet  # noqa: F401  (registers)

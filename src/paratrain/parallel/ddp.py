@@ -13,7 +13,12 @@ Configuration, and why:
 - ``device_ids=[LOCAL_RANK]`` on GPU (one device per process), ``None`` on CPU, as DDP requires;
 - ``bucket_cap_mb``, ``gradient_as_bucket_view`` and ``static_graph`` come from ``[strategy]``;
 - ``find_unused_parameters`` is off unless asked for: it walks the autograd graph after every forward.
-  Parameters that get no gradient are then reported by name, with the reason (see :class:`_DDP`).
+  Parameters that get no gradient are then reported by name, with the reason (see :class:`_DDP`);
+- ``--comm-algorithm shm`` registers a DDP communication hook
+  (:func:`paratrain.comm.shm_hook.shm_allreduce_hook`): the reducer still builds and orders the buckets,
+  but each bucket's all-reduce goes through one shared-memory segment of the ranks of this host, on a
+  worker thread of the hook's state, instead of Gloo's TCP loopback. Other algorithms are refused (they
+  are ``dp``'s; torch's reducer only takes a hook).
 
 Reference: https://pytorch.org/docs/stable/notes/ddp.html
 """
@@ -28,7 +33,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from paratrain.parallel import Strategy, register_strategy
+from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
+from paratrain.config import StrategyConfig
+from paratrain.errors import ConfigError
+from paratrain.parallel.layers import SyncBatchNorm
+from paratrain.parallel.registry import register_strategy
+from paratrain.parallel.strategy import Strategy
 from paratrain.runtime import get_logger
 
 _UNFINISHED = "Expected to have finished reduction in the prior iteration"
@@ -59,8 +69,6 @@ class _DDP(DDP):
     def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
         # DDP rejects nn.SyncBatchNorm on CPU because torch's kernels are GPU-only; paratrain's subclass
         # has a CPU path (train/features.py), so only a plain nn.SyncBatchNorm is refused there.
-        from paratrain.train.features import SyncBatchNorm
-
         if self.device_type == "cpu":
             for layer in module.modules():
                 if isinstance(layer, nn.SyncBatchNorm) and not isinstance(layer, SyncBatchNorm):
@@ -107,6 +115,22 @@ class _DDP(DDP):
 @register_strategy("ddp")
 class NativeDDP(Strategy):
     description = "torch DistributedDataParallel: replicated model, bucketed async gradient all-reduce"
+    comm_algorithms = ("native", "shm")
+    """``--comm-algorithm`` values: the reducer's own all-reduce, or the shared-memory comm hook."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hook_state: ShmHookState | None = None
+
+    @classmethod
+    def check(cls, world_size: int, config: StrategyConfig) -> None:
+        super().check(world_size, config)
+        if config.comm_algorithm not in cls.comm_algorithms:
+            raise ConfigError(
+                f"strategy ddp: --comm-algorithm {config.comm_algorithm!r} is not available; ddp takes "
+                "'native' (torch's reducer all-reduces each bucket) or 'shm' (a comm hook through shared "
+                f"memory). For {config.comm_algorithm!r} use --strategy dp, paratrain's own data parallel."
+            )
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         # The model must live on its device *before* wrapping: DDP registers hooks on these parameters and
@@ -118,12 +142,16 @@ class NativeDDP(Strategy):
         ddp = _DDP(
             model,
             device_ids=device_ids,
+            process_group=self.dp_group,  # None: every rank (the default group)
             forward_sync_buffers=True,  # re-broadcast buffers (BatchNorm stats) from rank 0 each forward
             bucket_cap_mb=self.config.bucket_cap_mb,
             gradient_as_bucket_view=self.config.gradient_as_bucket_view,
             static_graph=self.config.static_graph,
             find_unused_parameters=self.config.find_unused_parameters,
         )
+        if self.config.comm_algorithm == "shm":  # every bucket through shared memory (collective)
+            self.hook_state = ShmHookState.create(self.dp_group)
+            ddp.register_comm_hook(self.hook_state, shm_allreduce_hook)
         return ddp, optimizer
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:

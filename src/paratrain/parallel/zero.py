@@ -9,7 +9,7 @@ stage      bytes per rank               what is sharded
 ``ddp``    16Ψ                          nothing
 ``zero1``  4Ψ + 4Ψ + 8Ψ/N = 8Ψ + 8Ψ/N   optimizer state (Adam moments)
 ``zero2``  4Ψ + 4Ψ/N + 8Ψ/N             optimizer state and gradients
-``zero3``  16Ψ/N                        everything (FSDP2, see :mod:`paratrain.parallel.hsdp`)
+``zero3``  16Ψ/N                        everything (FSDP2, see :mod:`paratrain.parallel.fsdp`)
 =========  ===========================  =========================================================
 
 How it is done here (the scheme of DeepSpeed stages 1/2 and of nanochat's ``DistAdamW``). Every parameter
@@ -29,10 +29,23 @@ rank-major so that one collective moves a whole bucket):
      rows are a transient buffer, dropped after ``step()``.
    - ``zero2``: once a bucket's gradients are in the send buffer they are freed (``p.grad = None``), so
      only the reduced 4Ψ/N shard survives until the next ``zero_grad()``.
+
+   A bucket's full-size send buffer lives only while its reduction runs: before packing the next bucket,
+   the hook frees the send buffers of the reductions that have completed (``is_completed()``) and, if
+   ``MAX_IN_FLIGHT`` are still running, waits for the oldest. So zero2's gradient memory peaks at the
+   4Ψ/N shard plus ``MAX_IN_FLIGHT`` send buffers (and the gradients of the bucket being filled), not
+   at the 4Ψ + 4Ψ/N of keeping every send buffer until ``step()``.
+
+   With ``--comm-algorithm shm`` the reduce-scatters run through one shared-memory segment of the
+   group's ranks (:class:`~paratrain.comm.shm.ShmCommunicator`, ``reduce_scatter``: torch's
+   ``reduce_scatter_tensor`` semantics, which the rank-major layout has) on one worker thread, FIFO, so
+   backward still overlaps them; the all-gathers of phase 3 go through it on the main thread, one bucket
+   at a time.
 2. ``step()`` waits for every reduce-scatter, (optionally clips with a global norm: one all-reduce of a
    scalar), and runs the user's optimizer on the owned rows.
-3. parameters: ``all_gather`` of each bucket's updated rows, all launched async, then each is waited for
-   and copied into the full parameters. Every rank again holds identical full parameters.
+3. parameters: ``all_gather`` of each bucket's updated rows, async, at most ``MAX_IN_FLIGHT`` at once (the
+   oldest is waited for and copied into the full parameters before the next is launched, so the full-size
+   gather buffers of all buckets never exist together). Every rank again holds identical full parameters.
 
 An all-reduce is exactly a reduce-scatter followed by an all-gather, so ZeRO-1/2 send the same 2Ψ per rank
 as DDP's all-reduce ("gradients are all-reduced": the all-reduce is split around the sharded update).
@@ -49,52 +62,42 @@ any other strategy or world size (``zero3``, ``ddp``, ...).
 from __future__ import annotations
 
 import contextlib
-import math
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.config import ConfigError, StrategyConfig
-from paratrain.parallel import Strategy, clone_optimizer, register_strategy
+from paratrain.comm.shm import ShmCommunicator
+from paratrain.config import StrategyConfig
+from paratrain.errors import ConfigError
+from paratrain.parallel.optim import clone_optimizer
+from paratrain.parallel.registry import register_strategy
+from paratrain.parallel.strategy import Strategy
+from paratrain.parallel.zero_layout import ShardLayout, _Bucket, _Slot
+
+MAX_IN_FLIGHT = 2
+"""Reduce-scatters (and all-gathers) whose full-size buffers may exist at once; older ones are waited for."""
 
 
-@dataclass(eq=False)
-class _Slot:
-    """One parameter inside a bucket: its rows, its place in the rank-major flat layout, its shard."""
+class _ThreadWork:
+    """A collective running on the optimizer's worker thread, with the two methods of a c10d ``Work``
+    used here."""
 
-    param: nn.Parameter
-    chunk_rows: int  # ceil(d0 / N): rows of every rank's chunk in the (padded) flat layout
-    row_numel: int  # elements per row (prod of dims 1..)
-    lo: int  # first row this rank owns
-    hi: int  # one past the last row this rank owns (lo == hi: owns nothing)
-    offset: int  # start of this parameter's chunk inside one rank's segment
-    shard: nn.Parameter  # view of param rows [lo:hi]: what the inner optimizer updates
+    def __init__(self, future: Future[Any]) -> None:
+        self.future = future
 
-    @property
-    def chunk_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
+    def wait(self) -> None:
+        self.future.result()
 
-    @property
-    def owned_numel(self) -> int:
-        return (self.hi - self.lo) * self.row_numel
+    def is_completed(self) -> bool:
+        return self.future.done()
 
 
-@dataclass(eq=False)
-class _Bucket:
-    slots: list[_Slot]
-    segment: int  # elements of one rank's segment (sum of padded chunk sizes)
-    ready: int = 0  # gradients ready in this backward (zero2 hooks)
-    work: Any = None  # in-flight reduce-scatter
-    send: torch.Tensor | None = None  # reduce-scatter input, kept alive until the work finishes
-    grad: torch.Tensor | None = None  # reduced gradient of this rank's segment (after wait: mean)
-    reduced: bool = False
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
     """Wraps a user's optimizer: same class and param-group options, state only for this rank's rows.
 
     ``param_groups`` are the user's groups over the full parameters (an LR scheduler drives them; the
@@ -109,6 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mesh: Any,
         shard_gradients: bool,
         bucket_cap_mb: float = 25.0,
+        comm_algorithm: str = "native",
     ) -> None:
         if optimizer.state:
             raise ValueError(
@@ -142,64 +146,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for g in self.param_groups
         ]
         self.optim = clone_optimizer(optimizer, inner_groups)
+        self._in_flight: deque[_Bucket] = deque()  # launched reduce-scatters, oldest first
+        self.shm: ShmCommunicator | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        if comm_algorithm == "shm" and self.world > 1:  # collective: every rank of the group creates it
+            self.shm = ShmCommunicator(group)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-zero-shm")
         self._hooks: list[Any] = []
         if self.world > 1:
             for p in params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    # ---- layout ----------------------------------------------------------------------------------------
-    def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        slots: list[_Slot] = []
-        offset = 0
-        for p in params:
-            d0 = p.shape[0]
-            chunk_rows = math.ceil(d0 / self.world)
-            row_numel = p[0].numel() if d0 else 0
-            lo = min(self.rank * chunk_rows, d0)
-            hi = min(lo + chunk_rows, d0)
-            shard = nn.Parameter(p.detach()[lo:hi], requires_grad=p.requires_grad)  # shares p's storage
-            slot = _Slot(p, chunk_rows, row_numel, lo, hi, offset, shard)
-            self._slots[p] = slot
-            slots.append(slot)
-            offset += slot.chunk_numel
-            if offset * self.world * p.element_size() >= cap_bytes:
-                buckets.append(_Bucket(slots, offset))
-                slots, offset = [], 0
-        if slots:
-            buckets.append(_Bucket(slots, offset))
-        for b in buckets:
-            for s in b.slots:
-                self._bucket_of[s.param] = b
-        return buckets
-
-    def _rank_major(self, flat: torch.Tensor, b: _Bucket, s: _Slot) -> torch.Tensor:
-        """View of ``flat`` (N * segment elements) as (N, chunk) for slot ``s``: row j = rank j's chunk."""
-        return flat.view(self.world, b.segment)[:, s.offset : s.offset + s.chunk_numel]
-
-    @staticmethod
-    def _full_chunks(s: _Slot) -> tuple[int, int]:
-        """(ranks whose chunk is full, elements of the one partial chunk after them)."""
-        total = s.param.shape[0] * s.row_numel
-        full = total // s.chunk_numel if s.chunk_numel else 0
-        return full, total - full * (s.chunk_numel if s.chunk_numel else 0)
-
-    def _pack(self, dst: torch.Tensor, src: torch.Tensor, s: _Slot) -> None:
-        """Copy a full tensor (flat) into its (N, chunk) rank-major view ``dst``; padding is left alone."""
-        k, rem = self._full_chunks(s)
-        if k:
-            dst[:k].copy_(src[: k * s.chunk_numel].view(k, s.chunk_numel))
-        if rem:
-            dst[k, :rem].copy_(src[k * s.chunk_numel :])
-
-    def _unpack(self, src: torch.Tensor, dst: torch.Tensor, s: _Slot) -> None:
-        """Inverse of :meth:`_pack`: the (N, chunk) view ``src`` back into the full tensor (flat)."""
-        k, rem = self._full_chunks(s)
-        if k:
-            dst[: k * s.chunk_numel].view(k, s.chunk_numel).copy_(src[:k])
-        if rem:
-            dst[k * s.chunk_numel :].copy_(src[k, :rem])
 
     # ---- phase 1: gradients ------------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -217,6 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for s in b.slots:
                 s.shard.grad = s.param.grad.view_as(s.shard) if s.param.grad is not None else None
             return
+        self._retire(keep=MAX_IN_FLIGHT - 1)  # free finished send buffers before allocating this one
         first = b.slots[0].param
         send = torch.zeros(self.world * b.segment, dtype=first.dtype, device=first.device)
         for s in b.slots:
@@ -227,8 +185,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.shard_gradients:
                 s.param.grad = None  # ZeRO-2: the full gradient is freed once it is in the send buffer
         b.grad = torch.empty(b.segment, dtype=first.dtype, device=first.device)
-        b.work = dist.reduce_scatter_single(b.grad, send, group=self.group, async_op=True)
-        b.send = send  # must outlive the asynchronous collective
+        if self.shm is not None and self._executor is not None:
+            b.work = _ThreadWork(self._executor.submit(self.shm.reduce_scatter, b.grad, send, "sum"))
+        else:
+            b.work = dist.reduce_scatter_single(b.grad, send, group=self.group, async_op=True)
+        b.send = send  # must outlive the asynchronous collective; freed by _retire
+        self._in_flight.append(b)
+
+    def _retire(self, keep: int) -> None:
+        """Finish the oldest reductions until at most ``keep`` are in flight, and any that already
+        completed; each finished bucket drops its send buffer at once."""
+        while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0].work.is_completed()):
+            b = self._in_flight.popleft()
+            b.work.wait()
+            b.work, b.send = None, None
+            b.grad.div_(self.world)  # type: ignore[union-attr]  # sum -> mean, once per step
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -237,11 +208,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             if not b.reduced:
                 self._launch_reduce(b)
+        self._retire(keep=0)
         for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work, b.send = None, None
-                b.grad.div_(self.world)  # type: ignore[union-attr]  # sum -> mean, once per step
             if b.grad is None:
                 continue  # one rank: the shards already point at the gradients
             for s in b.slots:
@@ -283,20 +251,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _gather_parameters(self) -> None:
         if self.world == 1:
             return  # the shard *is* the parameter
-        pending = []
-        for b in self.buckets:
-            first = b.slots[0].param
-            mine = torch.zeros(b.segment, dtype=first.dtype, device=first.device)
-            for s in b.slots:
-                mine[s.offset : s.offset + s.owned_numel].copy_(s.shard.reshape(-1))
-            full = torch.empty(self.world * b.segment, dtype=first.dtype, device=first.device)
+        if self.shm is not None:  # shared memory: one bucket at a time, a single full buffer alive
+            for b in self.buckets:
+                full, mine = self._gather_buffers(b)
+                self.shm.all_gather(full, mine)
+                for s in b.slots:
+                    self._unpack(self._rank_major(full, b, s), s.param.data.view(-1), s)
+            return
+        # At most MAX_IN_FLIGHT gathers (and their full-size buffers) at once: the oldest is waited for
+        # and unpacked into the parameters before the next is launched.
+        pending: deque[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = deque()
+        for i, b in enumerate(self.buckets):
+            full, mine = self._gather_buffers(b)
             pending.append(
                 (b, full, mine, dist.all_gather_single(full, mine, group=self.group, async_op=True))
             )
-        for b, full, _mine, work in pending:  # all gathers are in flight; wait in launch order
-            work.wait()
-            for s in b.slots:
-                self._unpack(self._rank_major(full, b, s), s.param.data.view(-1), s)
+            while pending and (len(pending) >= MAX_IN_FLIGHT or i == len(self.buckets) - 1):
+                done, full, _mine, work = pending.popleft()
+                work.wait()
+                for s in done.slots:
+                    self._unpack(self._rank_major(full, done, s), s.param.data.view(-1), s)
+
+    def _gather_buffers(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the full rank-major output, this rank's segment holding its updated rows) of bucket ``b``."""
+        first = b.slots[0].param
+        mine = torch.zeros(b.segment, dtype=first.dtype, device=first.device)
+        for s in b.slots:
+            mine[s.offset : s.offset + s.owned_numel].copy_(s.shard.reshape(-1))
+        return torch.empty(self.world * b.segment, dtype=first.dtype, device=first.device), mine
 
     def _drop_reduced(self) -> None:
         for b in self.buckets:
@@ -308,99 +290,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._drop_reduced()
 
-    # ---- state for Distributed Checkpoint ------------------------------------------------------------
-    def _as_global(self, value: Any, s: _Slot) -> Any:
-        """Per-row state of the owned rows -> DTensor ``Shard(0)`` with the parameter's full shape."""
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != s.shard.shape:
-            return value
-        if self.mesh is None:
-            return value  # one rank: the owned rows are all rows
-        from torch.distributed.tensor import DTensor, Shard
-
-        return DTensor.from_local(
-            value, self.mesh, [Shard(0)], run_check=False, shape=s.param.shape, stride=s.param.stride()
-        )
-
-    def _refresh_state_view(self) -> None:
-        # ``self.state`` mirrors the inner state keyed by the full parameters (DCP checks it is non-empty).
-        self.state.clear()
-        for p, s in self._slots.items():
-            st = self.optim.state.get(s.shard)
-            if st:
-                self.state[p] = {k: self._as_global(v, s) for k, v in st.items()}
-
-    def _ordered(self) -> list[nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def state_dict(self) -> dict[str, Any]:
-        self._refresh_state_view()
-        order = self._ordered()
-        index: dict[torch.Tensor, int] = {p: i for i, p in enumerate(order)}
-        state = {index[p]: dict(st) for p, st in self.state.items()}
-        groups = []
-        for g in self.param_groups:
-            groups.append(
-                {**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-            )
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"optimizer state has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
-            )
-        # Saved keys (indices, or FQNs when DCP hands the dict over) map to parameters by position in the
-        # groups, as torch.optim.Optimizer.load_state_dict does.
-        key_to_param: dict[Any, nn.Parameter] = {}
-        for g, sg in zip(self.param_groups, saved_groups, strict=True):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError("optimizer state: a param group has a different number of parameters")
-            key_to_param.update(zip(sg["params"], g["params"], strict=True))
-            g.update({k: v for k, v in sg.items() if k != "params"})
-        for key, st in state_dict["state"].items():
-            p = key_to_param[key]
-            s = self._slots[p]
-            local: dict[str, Any] = {}
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    to_local = getattr(v, "to_local", None)
-                    if callable(to_local):
-                        v = to_local()
-                    elif v.dim() > 0 and v.shape == p.shape:
-                        v = v[s.lo : s.hi]  # a full (unsharded) tensor: keep the owned rows
-                    dev = s.shard.device if v.dim() > 0 else v.device
-                    v = v.detach().to(dev).clone()
-                local[k] = v
-            self.optim.state[s.shard] = local
-        for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
-        self._refresh_state_view()
-
 
 class _ZeroStage(Strategy):
     """Shared by ``zero1`` and ``zero2``: replicated parameters, :class:`ShardedOptimizer`."""
 
     shard_gradients = False
 
-    def __init__(self, ctx: Any, config: StrategyConfig) -> None:
-        super().__init__(ctx, config)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.optimizer: ShardedOptimizer | None = None
+
+    @classmethod
+    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
+        return 1, dp  # every data-parallel rank owns 1/dp of the optimizer state
+
+    @classmethod
+    def check(cls, world_size: int, config: StrategyConfig) -> None:
+        super().check(world_size, config)
+        if config.comm_algorithm not in ("native", "shm"):
+            raise ConfigError(
+                f"strategy {cls.name}: --comm-algorithm {config.comm_algorithm!r} is not available; "
+                f"{cls.name} takes 'native' (the backend's reduce-scatter and all-gather) or 'shm' (through "
+                "shared memory, the ranks of one host)."
+            )
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = model.to(self.ctx.device)
         group, mesh = None, None
-        if self.ctx.distributed and self.ctx.world_size > 1:
-            from paratrain.parallel.mesh import Topology
-
-            mesh = Topology(self.ctx.world_size, shard=self.ctx.world_size).build_mesh(
-                self.ctx.device.type, ("shard",)
-            )
+        if self.ctx.distributed and self.topology.dp_shard > 1:
+            assert self.mesh is not None
+            mesh = self.mesh["dp_shard"]  # the shard axis of the run's mesh
             group = mesh.get_group()
             with torch.no_grad():  # identical replicas to start from, as DDP guarantees
                 for t in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(t.data, src=0, group=group)
+                    dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
             if any(b.is_floating_point() for b in model.buffers()):
                 model.register_forward_pre_hook(self._sync_buffers(group))
         if optimizer is None:
@@ -411,6 +334,7 @@ class _ZeroStage(Strategy):
             mesh,
             shard_gradients=self.shard_gradients,
             bucket_cap_mb=self.config.bucket_cap_mb,
+            comm_algorithm=self.config.comm_algorithm,
         )
         return model, self.optimizer
 

@@ -2,11 +2,10 @@
 
 One optimizer step, on every rank:
 
-    indices = sampler.next_batch()                      # this rank's B/W samples of global batch t
-    for k in range(K):                                  # K = grad_accum micro-batches of B/(W*K)
-        with strategy.no_sync(model) unless k == K-1:   # only the last micro-step communicates
-            loss_k = loss_fn(model(x_k), y_k)
-            backward(loss_k / K)                        # /K: K micro-batches sum to one batch's mean
+    batch = data.train.batch(sampler.next_batch())      # this rank's B/W samples of global batch t
+    loss = strategy.forward_backward(model, batch, loss_fn, precision, K)
+        # default: K = grad_accum micro-batches, no_sync() on all but the last, backward(loss_k / K);
+        # a pipeline schedule runs its own interleaving of micro-batches over the stages instead
     clip (global norm) -> optimizer.step() -> scheduler.step()
 
 Per-step losses stay on the device and are averaged over ranks in one all-reduce at logging time, not
@@ -15,10 +14,11 @@ every step, so logging adds no synchronisation to the hot loop.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,16 +28,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from paratrain.checkpoint import CheckpointManager
-from paratrain.checkpoint.lifecycle import RunLifecycle
 from paratrain.config import RunConfig
-from paratrain.data import DistributedBatchSampler, Splits
-from paratrain.diagnose.faults import peer_guard
+from paratrain.data import Batch, DistributedBatchSampler, Splits
+from paratrain.faults import peer_guard
 from paratrain.parallel import Strategy, canonical_name, model_state_bytes
 from paratrain.runtime import Context, get_logger
+from paratrain.train.desync import check_desync
+from paratrain.train.lifecycle import RunLifecycle
+from paratrain.train.memory import measure_peak
 from paratrain.train.metrics import MetricsWriter
+from paratrain.train.nonfinite import NonFiniteError, check_finite, describe
+from paratrain.train.observe import RunObservers
 from paratrain.train.precision import Precision
+from paratrain.train.state import TrainState
 
 
 @dataclass
@@ -90,9 +96,28 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_step
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full, unsharded parameters in registration order, on rank 0 (``None`` on other ranks)."""
+    """The full, unsharded parameters in registration order, on rank 0 (``None`` on other ranks).
+
+    Collective. A pipeline rank holds only its stages (the model carries the full model's parameter order,
+    ``_paratrain_param_order``): every rank gathers its stages' full tensors (over its tensor and data
+    axes), and rank 0 collects one copy of each stage with ``gather_object`` and puts them in the full order.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    full_order: list[str] | None = getattr(model, "_paratrain_param_order", None)
+    if full_order is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        # one copy per stage is enough: only the ranks at tensor/data coordinate 0 send theirs
+        send = getattr(model, "_paratrain_pp_sender", True)
+        local = {k: v.detach().cpu() for k, v in sd.items() if isinstance(v, torch.Tensor)} if send else {}
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(local, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return {name: merged[name] for name in full_order}
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
@@ -139,31 +164,59 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.log = get_logger(ctx)
         t = cfg.train
-        self.micro_batch = t.batch_size // (strategy.dp_size * t.grad_accum)
-        self.sampler = DistributedBatchSampler(
+        sampler = DistributedBatchSampler(
             len(data.train), t.batch_size, strategy.dp_rank, strategy.dp_size, seed=t.seed, shuffle=True
         )
-        self.total_steps = (
-            t.steps if t.steps is not None else (t.epochs or 1) * self.sampler.batches_per_epoch
+        total = t.steps if t.steps is not None else (t.epochs or 1) * sampler.batches_per_epoch
+        self.state = TrainState(
+            step=0,
+            total_steps=total,
+            sampler=sampler,
+            scheduler=build_scheduler(optimizer, cfg, total),
+            precision=Precision(t.precision, ctx.device),
+            augment=torch.Generator().manual_seed(t.seed * 1000 + strategy.dp_rank),
         )
-        self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
-        self.precision = Precision(t.precision, ctx.device)
-        self.step = 0
-        self.resumed_from: int | None = None
-        self._gen = torch.Generator().manual_seed(t.seed * 1000 + strategy.dp_rank)
         ckpt_dir = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
-        self.ckpt = CheckpointManager(ckpt_dir, ctx, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-        self.losses: list[float] = []
-        """Global mean loss per step, flushed from ``_pending_losses`` at log/save time (one all-reduce)."""
-        self._pending_losses: list[torch.Tensor] = []
-        self.lifecycle = RunLifecycle(self)
+        self.ckpt = CheckpointManager(
+            ckpt_dir,
+            ctx,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            writer_factory=checkpoint_writer_factory(ctx.rank),
+        )
+        self.lifecycle = RunLifecycle(
+            self.state,
+            self.ckpt,
+            model,
+            optimizer,
+            cfg,
+            ctx,
+            {"strategy": strategy.name, "dp_size": strategy.dp_size, "num_params": num_params},
+            strategy.dp_rank,
+            self.flush_losses,
+            self.log,
+        )
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        # metrics.jsonl, TensorBoard (--tensorboard), the profiler (--profile): train/observe.py
+        seq_len = int(data.train.x.shape[1]) if data.task == "lm" else None
+        state_bytes = functools.partial(model_state_bytes, model, optimizer)  # at logging steps, rank 0
+        self.observers = RunObservers(cfg, ctx, self.run_dir, self.metrics, state_bytes, seq_len)
+        self.grad_norm: torch.Tensor | None = None
+        """The global gradient norm of the last step, when ``optimizer.grad_clip`` computes it."""
+        self.nonfinite_skips = 0
+        """Steps skipped because of a non-finite loss or gradient (``--set train.on_nonfinite=skip``)."""
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def losses(self) -> list[float]:
+        return self.state.losses
 
     # ---- helpers --------------------------------------------------------------------------------------
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.data.task == "regression":
-            return nn.functional.mse_loss(out.float(), y)
-        return nn.functional.cross_entropy(out.float(), y)
+        return loss_function(self.data.task)(out, y)
 
     def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (every rank holds the same number of samples)."""
@@ -175,53 +228,53 @@ class Trainer:
 
     def flush_losses(self) -> None:
         """Average the pending per-step losses over ranks (one all-reduce) and append them to ``losses``."""
-        if self._pending_losses:
-            self.losses.extend(self._global_mean(torch.stack(self._pending_losses).float()).tolist())
-            self._pending_losses.clear()
-
-    # ---- resume ---------------------------------------------------------------------------------------
-    def maybe_resume(self) -> None:
-        """Load the checkpoint ``checkpoint.resume`` selects (see :mod:`paratrain.checkpoint.lifecycle`)."""
-        self.lifecycle.resume()
+        pending = self.state.pending
+        if pending:
+            self.state.losses.extend(self._global_mean(torch.stack(pending).float()).tolist())
+            pending.clear()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train_step(self) -> torch.Tensor:
-        t = self.cfg.train
-        model = self.model
-        model.train()
-        idx = self.sampler.next_batch()
-        x, y = self.data.train.x[idx], self.data.train.y[idx]
-        if self.data.train.transform is not None:
-            x = self.data.train.transform(x, self._gen)
-        x = x.to(self.ctx.device, non_blocking=True)
-        y = y.to(self.ctx.device, non_blocking=True)
+        """One optimizer step; returns this rank's mean loss over its micro-batches (on the device)."""
+        st, t = self.state, self.cfg.train
+        self.model.train()
+        with record_function("paratrain.data"):  # labelled spans of --profile's traces
+            batch = self.data.train.batch(st.sampler.next_batch())
+            if self.data.train.transform is not None:
+                batch = Batch(self.data.train.transform(batch.inputs, st.augment), batch.targets)
+            batch = batch.to(self.ctx.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.ctx.device)
-        for k, (xm, ym) in enumerate(zip(x.split(self.micro_batch), y.split(self.micro_batch), strict=True)):
-            last = k == t.grad_accum - 1
-            sync = contextlib.nullcontext() if last else self.strategy.no_sync(model)
-            with sync:
-                with self.precision.autocast():
-                    loss = self._loss(model(xm), ym)
-                self.precision.backward(loss / t.grad_accum)
-            total += loss.detach()
-        if self.cfg.optimizer.grad_clip is not None:
-            self.precision.unscale(self.optimizer)
-            self.strategy.clip_grad_norm(model, self.cfg.optimizer.grad_clip)
-        self.precision.step(self.optimizer)
-        self.scheduler.step()
-        return total / t.grad_accum
+        with record_function("paratrain.forward_backward"):
+            loss = self.strategy.forward_backward(self.model, batch, self._loss, st.precision, t.grad_accum)
+        # fp16: the GradScaler skips steps whose scaled gradients overflowed; only the loss is checked here
+        bad = check_finite(self.model, loss, self.ctx, check_grads=st.precision.scaler is None)
+        if bad:
+            if t.on_nonfinite == "skip" and self.nonfinite_skips < t.max_nonfinite_skips:
+                self.nonfinite_skips += 1
+                self.log.warning("skipping step %d: non-finite loss or gradient on rank(s) %s (%d/%d skips)",
+                                 st.step + 1, bad, self.nonfinite_skips, t.max_nonfinite_skips)  # fmt: skip
+                self.optimizer.zero_grad(set_to_none=True)
+                return loss
+            raise NonFiniteError(describe(st.step + 1, bad, self.ctx, self.model, loss))
+        with record_function("paratrain.optimizer"):
+            if self.cfg.optimizer.grad_clip is not None:
+                st.precision.unscale(self.optimizer)
+                self.grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optimizer.grad_clip)
+            st.precision.step(self.optimizer)
+            st.scheduler.step()
+        return loss
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 512) -> tuple[float | None, float]:
         """Accuracy (classification) and mean loss on the test split, split across data-parallel ranks.
 
         Every rank runs the same number of forward passes (sharded models communicate in forward), padding
-        with weight-0 samples; correct/total/loss sums are all-reduced, so the totals are exact.
+        with weight-0 samples; correct/count/loss sums are all-reduced, so the totals are exact. For a
+        language model the loss is the mean over every predicted token, and there is no accuracy.
         """
         model = self.model
         model.eval()
-        test = self.data.test
+        test, task = self.data.test, self.data.task
         n, r, w = len(test), self.strategy.dp_rank, self.strategy.dp_size
         mine = torch.arange(r, n, w)
         per_rank = -(-n // w)
@@ -231,86 +284,143 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # correct, count, loss sum
         for start in range(0, per_rank, batch_size):
             sl = slice(start, start + batch_size)
-            x = test.x[mine[sl]].to(self.ctx.device)
-            y = test.y[mine[sl]].to(self.ctx.device)
+            batch = test.batch(mine[sl]).to(self.ctx.device)
             wt = weights[sl].to(self.ctx.device, torch.float64)
-            with self.precision.autocast():
-                out = model(x).float()
-            if self.data.task == "regression":
+            with self.state.precision.autocast():
+                out = self.strategy.evaluate_forward(model, batch.inputs)
+            if out is None:  # a pipeline stage without the head: the last stage counts
+                continue
+            out, y = out.float(), batch.targets
+            count = wt
+            if task == "regression":
                 per = ((out - y) ** 2).mean(dim=1).double()
-                sums[0] += 0.0
+            elif task == "lm":  # every sample counts seq_len predictions
+                tok = nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+                per = tok.view(y.shape).double().sum(dim=1)
+                count = wt * y.shape[1]
             else:
                 per = nn.functional.cross_entropy(out, y, reduction="none").double()
                 sums[0] += ((out.argmax(1) == y).double() * wt).sum()
-            sums[1] += wt.sum()
+            sums[1] += count.sum()
             sums[2] += (per * wt).sum()
-        if self.ctx.distributed and w > 1:
-            dist.all_reduce(sums, group=self.strategy.dp_group)
+        if self.ctx.distributed and self.ctx.world_size > 1:
+            # every rank joins: a pipeline's non-last stages contribute zeros, replicas their shares
+            dist.all_reduce(sums, group=self.strategy.eval_group())
         model.train()
-        acc = float(sums[0] / sums[1]) if self.data.task == "classification" else None
+        acc = float(sums[0] / sums[1]) if task == "classification" else None
         return acc, float(sums[2] / sums[1])
 
     def fit(self) -> TrainResult:
-        t = self.cfg.train
-        self.maybe_resume()
-        start_step = self.step
-        logged = self.losses
-        bar = _progress(self.ctx, t.progress, self.total_steps, start_step)
+        t, st = self.cfg.train, self.state
+        self.lifecycle.resume()
+        start_step = st.step
+        if start_step >= st.total_steps and self.ctx.is_main:
+            print(f"[paratrain] already at step {start_step} (the checkpoint resumed from), which is not before "
+                  f"--steps {st.total_steps}: nothing to train. Raise --steps to continue training.",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        logged = st.losses
+        bar = _progress(self.ctx, t.progress, st.total_steps, start_step)
         self.ctx.synchronize()
         t0 = time.perf_counter()
         eval_time = 0.0
         self.lifecycle.install_signal_handlers()
         # peer_guard: a collective that fails because a peer died or hung is re-raised naming that rank.
+        peak: int | None = None
+        tracked_s = 0.0  # seconds of the memory-tracked step
+        measure_at = start_step + 1 if st.total_steps - start_step > 1 else start_step  # after a warm-up step
+        self.observers.begin(st.step, st.total_steps)
         with peer_guard(self.ctx) as peers:
-            while self.step < self.total_steps:
-                self._pending_losses.append(self.train_step())
-                self.step += 1
+            while st.step < st.total_steps:
+                if (
+                    st.step == measure_at and self.strategy.measures_peak_memory
+                ):  # one step under the memory tracker: the peak of live bytes
+                    m0 = time.perf_counter()
+                    loss, peak = measure_peak(self.train_step, self.model, self.optimizer, self.log)
+                    tracked_s = time.perf_counter() - m0  # slowed by the tracker: kept out of throughput
+                    st.pending.append(loss)
+                else:
+                    st.pending.append(self.train_step())
+                st.step += 1
                 if peers is not None:
-                    peers.step = self.step
+                    peers.step = st.step
                 if bar is not None:
                     bar.update(1)
-                if self.step % t.log_every == 0 or self.step == self.total_steps:
+                if st.step % t.log_every == 0 or st.step == st.total_steps:
                     self.flush_losses()
                     if bar is not None:
                         bar.set_postfix(loss=f"{logged[-1]:.4f}")
-                    self.metrics.write(
-                        {"step": self.step, "loss": logged[-1], "lr": self.scheduler.get_last_lr()[0]}
-                    )
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                    self.observers.on_step_end(st.step, {
+                        "step": st.step, "loss": logged[-1], "lr": st.scheduler.get_last_lr()[0],
+                        "train_time_s": time.perf_counter() - t0 - eval_time, "grad_norm": self.grad_norm,
+                        "peak_bytes": peak})  # fmt: skip
+                if t.eval_every and st.step % t.eval_every == 0 and st.step < st.total_steps:
                     e0 = time.perf_counter()
                     acc_i, eloss_i = self.evaluate()
                     eval_time += time.perf_counter() - e0
-                    self.metrics.write({"step": self.step, "eval_accuracy": acc_i, "eval_loss": eloss_i})
+                    self.observers.on_eval(
+                        st.step, {"step": st.step, "eval_accuracy": acc_i, "eval_loss": eloss_i}
+                    )
+                if t.check_desync_every and st.step % t.check_desync_every == 0:
+                    # replicas must hold identical parameters: compare digests across the data-parallel
+                    # ranks (a pipeline's stages hold different layers by design)
+                    check_desync(self.model, st.step, group=self.strategy.dp_group)
                 e0 = time.perf_counter()
                 # async-save poll, fault injection, coordinated stop on a signal, periodic save
                 stop = self.lifecycle.after_step()
                 eval_time += time.perf_counter() - e0
+                self.observers.after_step(st.step)  # --profile's schedule
                 if stop:
                     break
         self.lifecycle.restore_signal_handlers()
         self.ctx.synchronize()
-        train_time = time.perf_counter() - t0 - eval_time
+        train_time = time.perf_counter() - t0 - eval_time - tracked_s
         if bar is not None:
             bar.close()
-        steps_run = self.step - start_step
-        samples_per_s = steps_run * t.batch_size / train_time if steps_run and train_time > 0 else None
+        steps_run = st.step - start_step
+        timed_steps = steps_run - (1 if tracked_s else 0)  # the memory-tracked step is not timed
+        samples_per_s = timed_steps * t.batch_size / train_time if timed_steps > 0 and train_time > 0 else None
         self.flush_losses()
         acc, eloss = None, None
         if not self.lifecycle.stopped_by:  # a signal-stopped run skips evaluation to exit quickly
             acc, eloss = self.evaluate()
-        self.metrics.write({"step": self.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True})
+        self.observers.on_eval(
+            st.step, {"step": st.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True}
+        )
         ckpt_path = self.lifecycle.finish(steps_run)  # final save, and wait for any async save in flight
-        state_bytes = torch.tensor([model_state_bytes(self.model, self.optimizer)], dtype=torch.int64)
+        mem = torch.tensor([model_state_bytes(self.model, self.optimizer), peak or 0], dtype=torch.int64)
         if self.ctx.distributed:
-            dist.all_reduce(state_bytes, op=dist.ReduceOp.MAX)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the largest rank's figures
+        state_bytes, peak_bytes = int(mem[0]), (int(mem[1]) or None) if peak is not None else None
         params = full_parameters(self.model)
         sha, norm = param_digest(params) if params is not None else (None, None)
-        self.metrics.close()
+        self.observers.close()  # with --profile: gathers every rank's profile summary on rank 0
+        extra: dict[str, Any] = {
+            "global_batch_size": t.batch_size,
+            "grad_accum": t.grad_accum,
+            "precision": t.precision,
+            "train_time_s": train_time,
+            "run_dir": str(self.run_dir),
+            "checkpoint": ckpt_path,
+            "checkpoint_blocked_s": list(self.ckpt.blocked_s),
+            "stopped_by_signal": self.lifecycle.stopped_by,
+            "device": self.ctx.device.type,
+            "backend": self.ctx.backend,
+            "topology": self.strategy.topology.degrees(),
+            "peak_bytes_per_rank": peak_bytes,
+            "nonfinite_skipped_steps": self.nonfinite_skips,
+        }
+        if self.data.task == "lm":
+            seq = int(self.data.train.x.shape[1])
+            extra["tokens_per_s"] = samples_per_s * seq if samples_per_s is not None else None
+            extra["eval_perplexity"] = math.exp(min(eloss, 700.0)) if eloss is not None else None
+            extra["mfu"] = model_flops_utilization(
+                self.model, self.ctx, seq, extra["tokens_per_s"], t.precision
+            )
         return TrainResult(
             strategy=self.strategy.name,
             world_size=self.ctx.world_size,
             num_params=self.num_params,
-            steps=self.step,
+            steps=st.step,
             losses=logged,
             final_loss=logged[-1] if logged else None,
             eval_accuracy=acc,
@@ -318,22 +428,57 @@ class Trainer:
             samples_per_s=samples_per_s,
             param_sha256=sha,
             param_norm=norm,
-            model_state_bytes_per_rank=int(state_bytes.item()),
+            model_state_bytes_per_rank=state_bytes,
             restarts=self.ctx.restart_count,
-            resumed_from_step=self.resumed_from,
-            extra={
-                "global_batch_size": t.batch_size,
-                "grad_accum": t.grad_accum,
-                "precision": t.precision,
-                "train_time_s": train_time,
-                "run_dir": str(self.run_dir),
-                "checkpoint": ckpt_path,
-                "checkpoint_blocked_s": list(self.ckpt.blocked_s),
-                "stopped_by_signal": self.lifecycle.stopped_by,
-                "device": self.ctx.device.type,
-                "backend": self.ctx.backend,
-            },
+            resumed_from_step=st.resumed_from,
+            extra=extra,
         )
+
+
+def model_flops_utilization(
+    model: nn.Module, ctx: Context, seq_len: int, tokens_per_s: float | None, precision: str
+) -> float | None:
+    """Achieved FLOP/s over the devices' peak (PaLM's MFU): ``tokens/s x FLOPs per token / (world x peak)``,
+    with FLOPs per token = 6·N + 12·L·H·Q·T (:func:`paratrain.models.llama.flops_per_token`). ``None`` when
+    the peak of the device is not known (every CPU) or the model is not a transformer."""
+    from paratrain.models.llama import flops_per_token
+    from paratrain.runtime import device_peak_flops
+
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    peak = device_peak_flops(ctx.device, precision)
+    if config is None or peak is None or not tokens_per_s:
+        return None
+    return tokens_per_s * flops_per_token(config, seq_len) / (ctx.world_size * peak)
+
+
+def checkpoint_writer_factory(rank: int) -> Any:
+    """The checkpoint writer of this rank: the hashing DCP writer, or (fault injection,
+    ``PARATRAIN_FAIL_CKPT_WRITE=R`` names this rank) one whose data write raises."""
+    from paratrain.checkpoint.integrity import HashingWriter
+
+    if os.environ.get("PARATRAIN_FAIL_CKPT_WRITE") != str(rank):
+        return None  # the manager's default
+
+    class FailingWriter(HashingWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            raise OSError(f"injected checkpoint write failure on rank {rank} (PARATRAIN_FAIL_CKPT_WRITE)")
+
+    return FailingWriter
+
+
+def loss_function(task: str) -> Any:
+    """The training loss of a task: cross-entropy (classification; next-token for ``lm``) or MSE."""
+
+    def classification(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.float(), y)
+
+    def lm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
+
+    def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.float(), y)
+
+    return {"classification": classification, "lm": lm, "regression": regression}[task]
 
 
 def _progress(ctx: Context, enabled: bool | None, total: int, initial: int) -> Any:

@@ -20,38 +20,20 @@ import signal
 import socket
 import sys
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
-from paratrain.config import ConfigError, LaunchConfig
-
-
-class LaunchError(RuntimeError):
-    """A worker group failed; ``str()`` names the first failing rank and its error."""
-
-    def __init__(self, message: str, failures: list[RankFailure] | None = None) -> None:
-        super().__init__(message)
-        self.failures = failures or []
-
-
-@dataclass
-class RankFailure:
-    rank: int
-    local_rank: int
-    exitcode: int
-    message: str
-    traceback: str
-    timestamp: int
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
+from paratrain.config import LaunchConfig
+from paratrain.errors import ConfigError
+from paratrain.launch.failures import LaunchError, format_failure, read_failures
+from paratrain.launch.rendezvous import (
+    LOOPBACK_BACKEND,
+    _register_loopback_backend,
+    is_loopback_host,
+    is_loopback_job,
+    parse_rdzv_conf,
+    port_in_use,
+    split_endpoint,
+)
 
 
 def gpu_count() -> int:
@@ -92,108 +74,12 @@ def preflight(launch: LaunchConfig) -> None:
         )
 
 
-# Settings of torch's dynamic (c10d) rendezvous (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
-# c10d_rendezvous_backend.py), all in seconds except keep_alive_max_attempt. How long a membership change takes:
-# a dead node leaves the rendezvous keep_alive_interval * keep_alive_max_attempt after its last heartbeat, then
-# the survivors wait last_call_timeout for more nodes before the new round starts.
-_RDZV_INT_KEYS = (
-    "join_timeout",
-    "last_call_timeout",
-    "close_timeout",
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "read_timeout",
-)
-
-
-def parse_rdzv_conf(text: str | None) -> dict[str, Any]:
-    """``"last_call_timeout=5,keep_alive_interval=1"`` -> ``{"last_call_timeout": 5, ...}`` (torchrun's
-    ``--rdzv-conf``). Raises :class:`ConfigError` naming an unknown key or a bad value."""
-    out: dict[str, Any] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if key == "is_host" and sep:
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ConfigError(f"--rdzv-conf is_host={value!r}: write true or false.")
-            out[key] = value.lower() in ("true", "1")
-        elif key in _RDZV_INT_KEYS and sep and value.isdigit() and int(value) > 0:
-            out[key] = int(value)
-        else:
-            raise ConfigError(
-                f"--rdzv-conf {item.strip()!r}: write KEY=SECONDS with KEY one of {', '.join(_RDZV_INT_KEYS)} "
-                "(keep_alive_max_attempt is a count), or is_host=true|false; separate entries with commas."
-            )
-    return out
-
-
-LOOPBACK_BACKEND = "paratrain-loopback"
-
-
-def _create_loopback_handler(params: Any) -> Any:
-    """The c10d rendezvous of a single-node job, with its TCPStore listening on 127.0.0.1 only.
-
-    ``TCPStore(host, ...)`` listens on *every* interface whatever ``host`` says (verified on torch 2.13 with
-    ``ss -ltn``: ``*:PORT``), so a standalone job would expose its store to the network. Here paratrain binds
-    the listening socket itself to ``127.0.0.1`` and hands it to the store (``master_listen_fd``); the rest is
-    torch's own dynamic rendezvous handler.
-    """
-    import datetime
-
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
-    def loopback_store(port: int) -> TCPStore:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))  # port 0: the kernel picks a free port atomically
-        sock.listen(512)
-        return TCPStore(
-            "127.0.0.1",
-            sock.getsockname()[1],
-            is_master=True,
-            multi_tenant=True,
-            wait_for_workers=False,
-            master_listen_fd=sock.detach(),  # the store owns the descriptor from now on
-            timeout=datetime.timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60)),
-        )
-
-    store = loopback_store(int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0)
-
-    class _LoopbackBackend(C10dRendezvousBackend):
-        @property
-        def name(self) -> str:
-            return LOOPBACK_BACKEND
-
-    handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
-    # The handler starts a second store for the workers (TCPStore sharing); it must be loopback-only too.
-    handler._create_tcp_store_server = lambda addr, port: loopback_store(port)  # type: ignore[method-assign,assignment]
-    return handler
-
-
-def _register_loopback_backend() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
-
-    try:
-        registry.register(LOOPBACK_BACKEND, _create_loopback_handler)
-    except ValueError:
-        pass  # already registered in this process
-
-
 def resolve(launch: LaunchConfig) -> LaunchConfig:
     """``launch`` with what the environment implies filled in: inside a multi-node Slurm allocation, the
     node count, node rank, rendezvous endpoint and id (explicit flags win)."""
-    from paratrain import slurm
+    from paratrain.launch import slurm
 
     return slurm.apply(launch)
-
-
-def is_standalone(launch: LaunchConfig) -> bool:
-    return launch.rdzv_endpoint is None and launch.nnodes == "1"
 
 
 def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
@@ -212,10 +98,22 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
         run_id = launch.rdzv_id or os.environ.get("SLURM_JOB_ID") or "paratrain"
         backend = launch.rdzv_backend
         rdzv_configs["rank"] = launch.node_rank  # as torchrun passes it (used by static rendezvous)
-        host = endpoint.rsplit(":", 1)[0]
-        if host in ("127.0.0.1", "localhost") and backend == "c10d":
-            rdzv_configs["is_host"] = launch.node_rank == 0  # several agents on one machine: node 0 hosts
-        local_addr = "127.0.0.1" if host in ("127.0.0.1", "localhost") else None
+        host = split_endpoint(endpoint)[0]
+        local_addr = None
+        if is_loopback_host(host):
+            # Several agents on one machine: node 0 serves the store, bound to loopback like every port
+            # of the job (see rendezvous._create_loopback_handler).
+            rdzv_configs["is_host"] = launch.node_rank == 0
+            local_addr = "::1" if ":" in host else "127.0.0.1"
+            if backend == "c10d":
+                backend = LOOPBACK_BACKEND
+                _register_loopback_backend()
+        else:
+            print(
+                f"paratrain: warning: the rendezvous store at {endpoint} has no authentication: anyone who can "
+                "reach it can join or disrupt the job. Use an address on a private network only.",
+                file=sys.stderr,
+            )
     else:
         if max_nodes > 1:
             raise ConfigError(
@@ -247,74 +145,18 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
     )
 
 
-def _worker_env(nproc: int, standalone: bool = False) -> None:
+def _worker_env(nproc: int, loopback_only: bool = False) -> None:
     # Two ranks each spinning up one OpenMP thread per core would oversubscribe a small CPU machine.
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    if standalone and sys.platform.startswith("linux"):
+    os.environ["PARATRAIN_LAUNCHER_PID"] = str(os.getpid())  # workers exit when this process dies
+    if loopback_only and sys.platform.startswith("linux"):
         # Gloo and NCCL pick their listening interface from the hostname, which usually resolves to a
         # network address; a single-node job has no reason to listen there. Explicit settings win.
         lo = next((name for _, name in socket.if_nameindex() if name == "lo"), None)
         if lo is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _failures(err: Any) -> list[RankFailure]:
-    out = []
-    for rank, f in err.failures.items():
-        data = f.error_file_data.get("message", {}) if isinstance(f.error_file_data, dict) else {}
-        if isinstance(data, dict):
-            msg = data.get("message", "") or ""
-            tb = (data.get("extraInfo") or {}).get("py_callstack", "") or ""
-        else:
-            msg, tb = str(data), ""
-        if not msg or msg == "<NONE>" or msg.startswith("To enable traceback"):
-            msg = _describe_exit(f.exitcode)
-        out.append(RankFailure(rank, f.local_rank, f.exitcode, msg, tb, int(f.timestamp or 0)))
-    return sorted(out, key=_root_cause_order)
-
-
-def _root_cause_order(f: RankFailure) -> tuple[int, int, int]:
-    """Root cause first: a recorded exception, then a non-zero exit, then a signal; last, SIGTERM, which
-    the agent itself sends to the surviving ranks once one has failed."""
-    if f.traceback:
-        kind = 0
-    elif f.exitcode > 0:
-        kind = 1
-    elif f.exitcode == -signal.SIGTERM:
-        kind = 3
-    else:
-        kind = 2
-    return (kind, f.timestamp, f.rank)
-
-
-def _format_failure(failures: list[RankFailure], attempts: int) -> str:
-    first = failures[0]
-    lines = [f"rank {first.rank} failed ({_describe_exit(first.exitcode)}): {first.message}"]
-    frame = _last_frame(first.traceback)
-    if frame:
-        lines.append(f"  at {frame}")
-    others = [f.rank for f in failures[1:]]
-    if others:
-        lines.append(f"  ranks {others} stopped after it.")
-    if attempts > 0:
-        lines.append(f"  (after {attempts} restart(s) by the elastic agent)")
-    return "\n".join(lines)
-
-
-def _last_frame(tb: str) -> str:
-    frames = [ln.strip() for ln in tb.splitlines() if ln.strip().startswith('File "')]
-    return frames[-1] if frames else ""
 
 
 def _quiet_agent_logs() -> None:
@@ -333,24 +175,29 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
 
-    from paratrain.agent_signals import StopForwarder, describe_teardown, grace_s, guarded_backend
+    from paratrain.launch.signals import StopForwarder, describe_teardown, grace_s, guarded_backend
 
     launch = resolve(launch)
     preflight(launch)
     nproc = resolve_nproc(launch)
-    _worker_env(nproc, standalone=is_standalone(launch))
+    _worker_env(nproc, loopback_only=is_loopback_job(launch))
+    cores = os.cpu_count() or 1
+    if nproc > cores:  # once per launch: run() starts one worker group
+        print(f"paratrain: warning: {nproc} processes on {cores} CPU core(s): the cores are oversubscribed, "
+              "so every rank waits for the others to be scheduled (fine for tests, slow for training).",
+              file=sys.stderr)  # fmt: skip
     if quiet:
         _quiet_agent_logs()
     config = _elastic_config(launch, nproc)
-    # SIGTERM/SIGUSR1: forwarded to the workers, which save and exit; no restart after (agent_signals.py)
+    # SIGTERM/SIGUSR1: forwarded to the workers, which save and exit; no restart after (launch/signals.py)
     stop = StopForwarder(grace_s(launch.timeout_s))
     config.rdzv_backend = guarded_backend(config.rdzv_backend, stop)
     stop.install()
     try:
         return dict(launch_agent(config, sys.executable, list(entry)))
     except ChildFailedError as err:
-        failures = _failures(err)
-        raise LaunchError(_format_failure(failures, launch.max_restarts), failures) from None
+        failures = read_failures(err)
+        raise LaunchError(format_failure(failures, launch.max_restarts), failures) from None
     except SignalException as e:
         raise LaunchError(
             describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)
@@ -369,36 +216,6 @@ def run_script(script: str, argv: list[str], launch: LaunchConfig, quiet: bool =
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} does not exist. Give the path of a Python file to run.")
     return run(["-u", script, *argv], launch, quiet=quiet)
-
-
-def record_errors(fn: Any) -> Any:
-    """Decorate a worker ``main``: on an exception, write the agent's error file, print one line, exit 1.
-
-    This replaces torch's ``@record`` (which re-raises and so prints a full traceback on every rank):
-    the launcher prints the first failure once, with the traceback's last frame.
-    """
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        try:
-            return fn(*args, **kwargs)
-        except SystemExit:
-            raise
-        except BaseException as e:
-            handler = ErrorHandler()
-            handler.initialize()
-            if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-                handler.record_exception(e)
-                rank = os.environ.get("RANK", "?")
-                print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            else:
-                raise
-            sys.exit(1)
-
-    return wrapper
 
 
 def preflight_train(cfg: Any, world: int, strategy: Any) -> None:

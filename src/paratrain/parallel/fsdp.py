@@ -7,17 +7,17 @@ and optimizer state: a rank holds 16Ψ/N bytes of fp32 Adam model state. paratra
 - **Shard units** are wrapped bottom-up: every module of ``strategy.shard_units`` (by default each of
   ``model.blocks``, i.e. one per transformer / residual / conv block), then the root, which picks up the
   remaining parameters (stem, head). Each unit's parameters become DTensors sharded along dim 0 over the
-  mesh's ``shard`` axis.
+  mesh's ``dp_shard`` axis.
 - **Communication schedule, per unit.** Forward: all-gather the unit's parameters just before its
   forward (FSDP2 prefetches the next unit's all-gather while this one computes), free them after it
   (``reshard_after_forward``; the root keeps its own). Backward: all-gather again, compute gradients,
   free the parameters, reduce-scatter the gradients (async; the next unit's backward overlaps it). Each
   rank keeps its 1/N shard of the mean gradient. ``optimizer.step()`` touches only local shards, with no
   communication. Per step and rank: 2 all-gathers + 1 reduce-scatter = 3Ψ (ZeRO paper, section 7).
-- **HSDP** (hybrid sharding) lays the ranks on a 2-D mesh ``("replicate", "shard")``: parameters are
+- **HSDP** (hybrid sharding) lays the ranks on a 2-D mesh ``("dp_replicate", "dp_shard")``: parameters are
   sharded within each group of ``--shard-size`` ranks and replicated across groups. After the
-  reduce-scatter inside a group, the gradient shard is all-reduced across the ``replicate`` axis. Put
-  ``shard`` on a fast interconnect (a node) and ``replicate`` across nodes.
+  reduce-scatter inside a group, the gradient shard is all-reduced across the ``dp_replicate`` axis. Put
+  ``dp_shard`` on a fast interconnect (a node) and ``dp_replicate`` across nodes.
 - **Mixed precision** (``strategy.mixed_precision = "bf16"``): FSDP2 ``MixedPrecisionPolicy`` all-gathers
   and computes in bf16 and reduce-scatters gradients in bf16, while the sharded master weights and the
   optimizer state stay fp32.
@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.config import ConfigError, StrategyConfig
-from paratrain.parallel import Strategy, parameter_names, rebind_optimizer, register_strategy
-from paratrain.parallel.mesh import Topology
+from paratrain.config import StrategyConfig
+from paratrain.errors import ConfigError
+from paratrain.parallel.optim import parameter_names, rebind_optimizer
+from paratrain.parallel.parallelize import model_blocks
+from paratrain.parallel.registry import register_strategy
+from paratrain.parallel.strategy import Strategy
 
 
 def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
@@ -52,13 +55,13 @@ def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
     if spec == "root":
         return []
     if spec == "blocks":
-        blocks = getattr(model, "blocks", None)
-        if not isinstance(blocks, nn.ModuleList):
+        blocks = model_blocks(model)
+        if blocks is None:
             raise ConfigError(
-                f"strategy.shard_units='blocks' needs model.blocks (an nn.ModuleList); {type(model).__name__} "
-                "has none. Name the units (--set strategy.shard_units=layer1,layer2) or use 'root'."
+                f"strategy.shard_units='blocks' needs model.blocks or model.layers; {type(model).__name__} "
+                "has neither. Name the units (--set strategy.shard_units=layer1,layer2) or use 'root'."
             )
-        return list(blocks)
+        return blocks
     named = dict(model.named_modules())
     units = []
     for name in (n.strip() for n in spec.split(",") if n.strip()):
@@ -73,23 +76,19 @@ def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
 
 
 class _FullyShard(Strategy):
-    """FSDP2 over a 1-D ``("shard",)`` mesh (``zero3``) or a 2-D ``("replicate", "shard")`` mesh (``hsdp``)."""
+    """FSDP2 over the ``dp_shard`` axis (``zero3``) or the 2-D ``(dp_replicate, dp_shard)`` sub-mesh (``hsdp``)."""
 
     supports_offload = True
     supports_mixed_precision = True
     reshard_after_forward = True
 
-    def __init__(self, ctx: Any, config: StrategyConfig) -> None:
-        super().__init__(ctx, config)
-        self.mesh: Any = None
+    required_axes: ClassVar[tuple[str, ...]] = ("dp_shard",)
+    fsdp_axes: ClassVar[str | tuple[str, ...]] = "dp_shard"
+    """The axes of the run's mesh FSDP2 shards over (a 2-D sub-mesh makes it HSDP)."""
 
     @classmethod
-    def topology(cls, world_size: int, config: StrategyConfig) -> Topology:
-        return Topology(world_size, shard=world_size)
-
-    @classmethod
-    def check(cls, world_size: int, config: StrategyConfig) -> None:
-        cls.topology(world_size, config)
+    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
+        return 1, dp
 
     def _policies(self) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -105,20 +104,17 @@ class _FullyShard(Strategy):
         )
         return {"mp_policy": mp, "offload_policy": offload}
 
-    def _axes(self) -> tuple[str, ...]:
-        return ("shard",)
+    def _dp_mesh(self) -> Any:
+        """FSDP2's mesh: the ``dp_shard`` axis (zero3), or ``(dp_replicate, dp_shard)`` (hsdp)."""
+        assert self.mesh is not None, "build the strategy with build_strategy(): FSDP2 needs the run's mesh"
+        return self.mesh[self.fsdp_axes]
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         from torch.distributed.fsdp import fully_shard
 
         names = parameter_names(model)
         model = model.to(self.ctx.device)
-        topo = self.topology(self.ctx.world_size, self.config)
-        if self.ctx.distributed:
-            self.mesh = topo.build_mesh(self.ctx.device.type, self._axes())
-        else:  # world size 1 without a process group: FSDP2 needs one, so make a single-rank group
-            self.mesh = _single_rank_mesh(self.ctx.device.type, self._axes())
-        kw = dict(mesh=self.mesh, **self._policies())
+        kw = dict(mesh=self._dp_mesh(), **self._policies())
         for unit in shard_units(model, self.config.shard_units):  # bottom-up: units first, root last
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kw)
         fully_shard(model, reshard_after_forward=self.reshard_after_forward, **kw)
@@ -130,7 +126,7 @@ class _FullyShard(Strategy):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to the global L2 norm: local shards' squares summed over the ``shard`` axis.
 
-        Shards are disjoint along ``shard`` and identical along ``replicate`` (already all-reduced), so one
+        Shards are disjoint along ``dp_shard`` and identical along ``dp_replicate`` (already all-reduced), so one
         all-reduce of a scalar over the shard group gives the norm of the full gradient.
         """
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -138,7 +134,7 @@ class _FullyShard(Strategy):
         sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for g in local:
             sq += g.float().pow(2).sum().to(self.ctx.device)
-        group = self.mesh.get_group("shard") if self.mesh is not None else None
+        group = self.mesh.get_group("dp_shard") if self.mesh is not None else None
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
         norm = sq.sqrt()
@@ -163,14 +159,6 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         set_sync(True)
 
 
-def _single_rank_mesh(device_type: str, axes: tuple[str, ...]) -> Any:
-    # FSDP2 always needs a process group. One rank needs no rendezvous: an in-memory store will do.
-    if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return Topology(1, shard=1).build_mesh(device_type, axes)
-
-
 @register_strategy("zero3", aliases=("fsdp",))
 class Zero3(_FullyShard):
     description = "ZeRO-3 / FSDP2: parameters, gradients and optimizer state sharded (fully_shard per block)"
@@ -181,28 +169,28 @@ class HSDP(_FullyShard):
     description = "hybrid sharded DP: FSDP2 within --shard-size groups, replicated across groups (2-D mesh)"
     uses_shard_size = True
 
-    @classmethod
-    def topology(cls, world_size: int, config: StrategyConfig) -> Topology:
-        if world_size < 2:
-            raise ConfigError(
-                f"hsdp needs at least 2 ranks (it shards within groups and replicates across groups), but the "
-                f"world size is {world_size}. Use --nproc-per-node 2 or more, or --strategy zero3."
-            )
-        shard = config.shard_size
-        if shard is None:
-            if world_size % 2:
-                raise ConfigError(
-                    f"hsdp: the world size {world_size} is odd, so there is no default shard size (half the "
-                    f"ranks). Give --shard-size, a divisor of {world_size}."
-                )
-            shard = world_size // 2
-        if shard > world_size or world_size % shard:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigError(
-                f"--shard-size {shard} does not divide the world size {world_size} "
-                f"(replicate x shard must equal {world_size}). Choose one of: {', '.join(map(str, divisors))}."
-            )
-        return Topology(world_size, replicate=world_size // shard, shard=shard)
+    required_axes = ("dp_replicate", "dp_shard")
+    fsdp_axes = ("dp_replicate", "dp_shard")
 
-    def _axes(self) -> tuple[str, ...]:
-        return ("replicate", "shard")
+    @classmethod
+    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
+        if dp < 2:
+            raise ConfigError(
+                f"hsdp needs at least 2 data-parallel ranks (it shards within groups and replicates across "
+                f"groups), but there are {dp}. Use --nproc-per-node 2 or more, or --strategy zero3."
+            )
+        shard = config.shard_size or config.dp_shard
+        if shard is None:
+            if dp % 2:
+                raise ConfigError(
+                    f"hsdp: the data-parallel size {dp} is odd, so there is no default shard size (half the "
+                    f"ranks). Give --shard-size, a divisor of {dp}."
+                )
+            shard = dp // 2
+        if shard > dp or dp % shard:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ConfigError(
+                f"--shard-size {shard} does not divide the data-parallel size {dp} "
+                f"(replicate x shard must equal {dp}). Choose one of: {', '.join(map(str, divisors))}."
+            )
+        return dp // shard, shard

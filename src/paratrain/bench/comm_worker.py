@@ -33,8 +33,7 @@ import torch.distributed as dist
 from paratrain import comm
 from paratrain.comm._common import wait_all
 from paratrain.comm.cost import LinkModel, algbw, bus_factor, predict
-from paratrain.launch import record_errors
-from paratrain.runtime import Context, init, shutdown
+from paratrain.runtime import Context, init, record_errors, shutdown
 
 DTYPES = {
     "float32": torch.float32,

@@ -6,7 +6,7 @@ Fault injection:
   attempt only (``TORCHELASTIC_RESTART_COUNT == 0``), so that ``--max-restarts`` brings the run back and the
   resume path is exercised exactly like a real crash (no ``finally`` blocks, no flushing, no goodbye).
 - ``PARATRAIN_FAIL_CKPT_WRITE=R``: rank R's checkpoint writer raises while writing its data, to exercise
-  the error path of (async) saves.
+  the error path of (async) saves (the writer is built in :mod:`paratrain.train.trainer`, above storage).
 
 Dead or hung peers (:class:`PeerMonitor`): a daemon thread on every rank bumps a counter in the c10d store
 once per ``interval_s`` and publishes the rank's current step. When a collective fails (a dead peer closes
@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -49,21 +48,6 @@ def maybe_fail(step: int, ctx: Context, fail_at_step: int | None, fail_rank: int
         flush=True,
     )
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def storage_writer_for(path: str | Path, rank: int) -> Any:
-    """DCP's ``FileSystemWriter`` for ``path``, or a failing one when ``PARATRAIN_FAIL_CKPT_WRITE`` names
-    this rank."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    if os.environ.get("PARATRAIN_FAIL_CKPT_WRITE") != str(rank):
-        return FileSystemWriter(str(path))
-
-    class _FailingWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            raise OSError(f"injected checkpoint write failure on rank {rank} (PARATRAIN_FAIL_CKPT_WRITE)")
-
-    return _FailingWriter(str(path))
 
 
 # ---- peer liveness -------------------------------------------------------------------------------------
@@ -104,18 +88,30 @@ class PeerMonitor:
         return out
 
     def _run(self) -> None:
-        n = 0
+        n, failures = 0, 0
         neighbour = (self.ctx.rank + 1) % self.ctx.world_size
         last_seen, last_change = None, time.monotonic()
         while not self._stop.wait(self.interval_s):
             n += 1
             try:
                 self._beat(n)
+                failures = 0
                 if neighbour == self.ctx.rank:
                     continue
                 value = self._read_one(neighbour)
-            except Exception:
-                return
+            except Exception as e:
+                failures += 1
+                if self._stop.is_set():
+                    return
+                if failures >= 2:  # the store lives in the launcher: it is gone, so is the job
+                    print(
+                        f"[paratrain] rank {self.ctx.rank}: the launcher's store stopped answering "
+                        f"({type(e).__name__}); the job is gone, exiting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(1)
+                continue
             now = time.monotonic()
             if value != last_seen:
                 last_seen, last_change = value, now
@@ -151,7 +147,8 @@ class PeerMonitor:
 def describe_lost(silent: list[int], stuck: list[int], step: int) -> str:
     parts = []
     if silent:
-        parts.append(f"rank(s) {silent} stopped responding (process dead or frozen: no heartbeat)")
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+        parts.append(f"{who} stopped responding (process dead or frozen: no heartbeat)")
     if stuck:
         parts.append(f"rank(s) {stuck} are alive but did not reach step {step} (stuck)")
     return "; ".join(parts) or "no peer could be named (every heartbeat is still advancing)"
@@ -181,9 +178,10 @@ def peer_guard(ctx: Context, interval_s: float = 1.0) -> Iterator[PeerMonitor | 
         if not _is_comm_error(e):
             raise
         silent, stuck = mon.lost()
+        # The dead rank first: this rank (the one raising) only noticed it.
         raise PeerLostError(
-            f"rank {ctx.rank}: a collective failed at step {mon.step + 1}: {describe_lost(silent, stuck, mon.step + 1)}. "
-            f"Cause: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"{describe_lost(silent, stuck, mon.step + 1)}; noticed by rank {ctx.rank} when a collective "
+            f"failed at step {mon.step + 1}. Cause: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
     finally:
         mon.close()

@@ -1,4 +1,4 @@
-"""Entry point of every training worker: ``python -m paratrain.worker CONFIG_JSON``.
+"""Entry point of every training worker: ``python -m paratrain.train.worker CONFIG_JSON``.
 
 The launcher writes the validated :class:`RunConfig` to a JSON file in the run directory and starts
 this module on every rank under the elastic agent. Rank 0 writes ``summary.json`` at the end; the
@@ -14,28 +14,22 @@ from pathlib import Path
 
 from paratrain.config import RunConfig
 from paratrain.data import build_dataset
-from paratrain.launch import record_errors
 from paratrain.models import build_model, count_parameters
-from paratrain.parallel import get_strategy
-from paratrain.runtime import Context, init, shutdown
+from paratrain.parallel import build_strategy
+from paratrain.parallel.parallelize import parallelize
+from paratrain.runtime import Context, die_with_launcher, get_logger, init, record_errors, shutdown
+from paratrain.train.logs import install_rank_log
 from paratrain.train.trainer import Trainer, TrainResult, build_optimizer
 
 
 def build_trainer(cfg: RunConfig, ctx: Context, run_dir: Path) -> Trainer:
     """Build data, model, optimizer and strategy from ``cfg``: everything :meth:`Trainer.fit` needs."""
-    from paratrain.runtime import get_logger
-    from paratrain.train.features import apply_model_features
-
     data = build_dataset(cfg.data)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     num_params = count_parameters(model)
-    strategy = get_strategy(cfg.strategy.name)(ctx, cfg.strategy)
-    # Model transforms (SyncBatchNorm, activation checkpointing) come before wrapping: wrappers register
-    # hooks on the modules and parameters they see at wrap time.
-    model = apply_model_features(model, cfg, strategy.dp_size, get_logger(ctx))
-    model = model.to(ctx.device)
-    optimizer = build_optimizer(model, cfg)
-    model, optimizer = strategy.wrap(model, optimizer)
+    strategy = build_strategy(ctx, cfg.strategy)  # the run's topology and its one DeviceMesh
+    # TP -> SyncBatchNorm -> activation checkpointing -> compile -> optimizer -> FSDP/replication
+    model, optimizer = parallelize(model, strategy, lambda m: build_optimizer(m, cfg), cfg, get_logger(ctx))
     return Trainer(cfg, ctx, model, optimizer, strategy, data, num_params, run_dir)
 
 
@@ -48,9 +42,11 @@ def train(cfg: RunConfig, ctx: Context, run_dir: Path) -> TrainResult:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     config_path = Path(argv[0])
+    die_with_launcher()  # a SIGKILLed launcher must not leave this worker training on
     cfg = RunConfig.from_json(config_path.read_text())
     run_dir = config_path.parent
     ctx = init(cfg.launch.backend, cfg.launch.device, cfg.launch.timeout_s, cfg.train.seed)
+    install_rank_log(ctx, run_dir)  # RUN_DIR/logs/rank{r}.log: log lines, stderr, the uncaught error
     try:
         result = train(cfg, ctx, run_dir)
         if ctx.is_main:

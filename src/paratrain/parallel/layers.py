@@ -1,21 +1,13 @@
-"""Model transforms every data-parallel strategy gets, applied by the worker *before* wrapping:
-SyncBatchNorm (chosen automatically for small per-rank batches) and activation checkpointing.
+"""Layers whose forward communicates: :class:`SyncBatchNorm`, which runs on CPU (Gloo) too.
 
 SyncBatchNorm (Ioffe & Szegedy 2015 normalise over a batch; Peng et al., "MegDet", CVPR 2018,
 https://arxiv.org/abs/1711.07240, normalise over the *global* batch across devices): torch's
 ``nn.SyncBatchNorm`` only runs on GPU, so :class:`SyncBatchNorm` subclasses it and, off the GPU, computes
 the same thing with one autograd-aware all-reduce per layer (see :func:`_sync_batch_norm`).
-
-Activation checkpointing (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016,
-https://arxiv.org/abs/1604.06174; https://pytorch.org/docs/stable/checkpoint.html): each of the model's
-``blocks`` keeps only its input in forward and recomputes its activations in backward.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
 import warnings
 from typing import Any
 
@@ -24,8 +16,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
-from paratrain.config import ConfigError, RunConfig
 
 SMALL_BATCH = 16
 """Below this many samples per rank and forward, BatchNorm statistics are too noisy: sync by default."""
@@ -128,85 +118,3 @@ def choose_sync_batchnorm(
         False,
         f"off (automatic: per-rank batch {micro_batch} >= {SMALL_BATCH}; --sync-batchnorm forces it)",
     )
-
-
-def preflight_features(cfg: RunConfig, model: nn.Module) -> list[str]:
-    """Checks run in the launching process on the (meta-device) model: errors raise :class:`ConfigError`,
-    non-fatal problems are returned as warnings for the CLI to print."""
-    warnings: list[str] = []
-    if cfg.train.sync_batchnorm and count_batchnorm(model) == 0:
-        warnings.append(
-            f"--sync-batchnorm has no effect: model {cfg.model.name!r} has no BatchNorm layer "
-            "(use --model resnet, or --set model.batchnorm=true with --model cnn)."
-        )
-    if cfg.train.activation_checkpointing:
-        blocks = getattr(model, "blocks", None)
-        if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-            raise ConfigError(
-                f"--activation-checkpointing recomputes the model's `blocks`, and model {cfg.model.name!r} "
-                "has none. Drop the flag or use a model with blocks (cnn, resnet, ...)."
-            )
-    return warnings
-
-
-# ---- activation checkpointing ------------------------------------------------------------------------------
-class _KeepBatchNormStats:
-    """Recompute context: BatchNorm running statistics must be updated once per step, not once per forward,
-    so the block's BatchNorm buffers are saved before the recompute and restored after it."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __enter__(self) -> None:
-        self.saved = [
-            (b, b.clone())
-            for m in self.block.modules()
-            if isinstance(m, _BatchNorm)
-            for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-            if b is not None
-        ]
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for b, s in self.saved:
-                b.copy_(s)
-        self.saved = []
-
-
-def _contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager[None], Any]:
-    return contextlib.nullcontext(), _KeepBatchNormStats(block)
-
-
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Wrap each of ``model.blocks`` in non-reentrant activation checkpointing; returns how many were wrapped."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-        raise ConfigError(
-            f"--activation-checkpointing needs a model with a `blocks` ModuleList; {type(model).__name__} has none."
-        )
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                       context_fn=functools.partial(_contexts, block))  # fmt: skip
-    return len(blocks)
-
-
-# ---- one entry point for the worker -------------------------------------------------------------------------
-def apply_model_features(
-    model: nn.Module, cfg: RunConfig, dp_size: int, log: logging.Logger | None = None
-) -> nn.Module:
-    """SyncBatchNorm choice and activation checkpointing, before the model is moved and wrapped."""
-    t = cfg.train
-    micro = t.batch_size // (dp_size * t.grad_accum)
-    on, why = choose_sync_batchnorm(t.sync_batchnorm, count_batchnorm(model), micro, dp_size)
-    if log is not None:
-        log.info("sync-batchnorm: %s", why)
-    if on:
-        model = convert_sync_batchnorm(model)
-    if t.activation_checkpointing:
-        n = apply_activation_checkpointing(model)
-        if log is not None:
-            log.info("activation checkpointing: %d blocks recompute their activations in backward", n)
-    return model

@@ -1,19 +1,23 @@
-"""One validated topology object and the DeviceMesh built from it (torchtitan's ``ParallelDims``).
+"""One validated topology per run, and the one DeviceMesh built from it (torchtitan's ``ParallelDims``).
 
 A run's ranks are laid out on a grid of named *axes* (a mesh dimension is an "axis"; "dim" is kept for
 tensor dimensions)::
 
-    pp x replicate x shard x tp == world_size
+    pp x dp_replicate x dp_shard x tp == world_size          (outermost ... innermost)
 
-- ``replicate``: data-parallel axis whose ranks hold full replicas of their shard (HSDP's outer axis,
-  gradients are all-reduced across it);
-- ``shard``: data-parallel axis whose ranks each hold 1/``shard`` of the parameters / gradients /
-  optimizer state (FSDP, ZeRO);
-- ``tp``, ``pp``: tensor- and pipeline-parallel degrees (reserved for those strategies).
+- ``tp``: tensor parallel. Innermost, so its ranks are consecutive and share a node: it is the chattiest
+  axis (collectives inside every layer).
+- ``dp_shard``: data-parallel ranks that each hold 1/``dp_shard`` of the parameters, gradients and optimizer
+  state (ZeRO, FSDP).
+- ``dp_replicate``: data-parallel replicas of that (sharded) model; gradients are all-reduced across it
+  (DDP; HSDP's outer axis). It crosses nodes.
+- ``pp``: pipeline stages, outermost.
 
-The degrees are checked once, in the launching process, with a message that prints every factor; workers
-build the :class:`~torch.distributed.device_mesh.DeviceMesh` from the same object. Nothing here is a
-module-level singleton: a mesh is passed explicitly to whoever needs it.
+The degrees are checked once, in the launching process (the strategy preset fills in what the flags leave
+open, :meth:`paratrain.parallel.strategy.Strategy.topology_for`), with a message that prints every factor.
+Each worker builds one :class:`~torch.distributed.device_mesh.DeviceMesh` from it and every strategy uses
+sub-meshes of that one mesh (``mesh["tp"]``, ``mesh["dp_replicate", "dp_shard"]``, ...). Nothing here is a
+module-level singleton.
 
 Reference: https://pytorch.org/tutorials/recipes/distributed_device_mesh.html
 """
@@ -24,25 +28,24 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paratrain.config import ConfigError
+from paratrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-#: Order of the axes in the mesh, outermost first. The innermost axis gets consecutive ranks, so on a
-#: multi-node job ``tp`` (the chattiest) stays inside a node and ``replicate`` crosses nodes.
-AXES: tuple[str, ...] = ("pp", "replicate", "shard", "tp")
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The mesh axes, outermost first."""
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Degrees of every parallel axis; ``pp * replicate * shard * tp`` must equal ``world_size``."""
+    """Degrees of every parallel axis; ``pp * dp_replicate * dp_shard * tp`` must equal ``world_size``."""
 
     world_size: int
     """Total number of ranks."""
-    replicate: int = 1
-    """Data-parallel replicas (HSDP's outer axis)."""
-    shard: int = 1
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP; HSDP's outer axis)."""
+    dp_shard: int = 1
     """Data-parallel ranks a model is sharded over (ZeRO / FSDP)."""
     tp: int = 1
     """Tensor-parallel degree."""
@@ -54,24 +57,20 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"topology: {name} must be a positive integer, got {value!r}.")
-        product = self.pp * self.replicate * self.shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ConfigError(
-                f"topology: pp {self.pp} x replicate {self.replicate} x shard {self.shard} x tp {self.tp} "
-                f"= {product}, but the world size is {self.world_size}. Choose degrees whose product is "
-                f"{self.world_size} (for example --shard-size a divisor of {self.world_size})."
+                f"topology: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
+                f"tp {self.tp} = {product}, but the world size is {self.world_size}. Choose degrees whose "
+                f"product is {self.world_size} (--pp, --dp-replicate, --dp-shard, --tp)."
             )
 
-    # ---- construction --------------------------------------------------------------------------------
     @classmethod
     def infer(
-        cls, world_size: int, *, replicate: int = 1, shard: int = -1, tp: int = 1, pp: int = 1
+        cls, world_size: int, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1
     ) -> Topology:
-        """Fill in the one degree given as ``-1`` so that the product is ``world_size``.
-
-        Raises :class:`ConfigError` (printing every factor) when the others do not divide ``world_size``.
-        """
-        degrees = {"replicate": replicate, "shard": shard, "tp": tp, "pp": pp}
+        """Fill in the one degree given as ``-1`` so that the product is ``world_size``."""
+        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         free = [k for k, v in degrees.items() if v == -1]
         if len(free) > 1:
             raise ConfigError(f"topology: at most one degree may be inferred (-1), got {free}.")
@@ -89,8 +88,8 @@ class Topology:
     # ---- derived ---------------------------------------------------------------------------------------
     @property
     def dp_size(self) -> int:
-        """Ranks that see different data: ``replicate * shard``."""
-        return self.replicate * self.shard
+        """Ranks that see different data: ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
 
     def degrees(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
@@ -110,22 +109,32 @@ class Topology:
             rest //= d
         return {a: out[a] for a in AXES}
 
-    def build_mesh(self, device_type: str, axes: tuple[str, ...] | None = None) -> DeviceMesh:
-        """The DeviceMesh over ``axes`` (default: every axis of degree > 1, or ``shard`` when all are 1).
+    def mesh_axes(self, required: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """Axes of degree > 1 plus ``required`` ones, in :data:`AXES` order (``dp_shard`` when all are 1)."""
+        axes = tuple(a for a in AXES if getattr(self, a) > 1 or a in required)
+        return axes or ("dp_shard",)
 
-        ``axes`` must list every axis of degree > 1 (in :data:`AXES` order; axes of degree 1 may be
-        included, e.g. HSDP's ``("replicate", "shard")`` with one replica). Collective: all ranks call it.
+    def build_mesh(self, device_type: str, axes: tuple[str, ...] | None = None) -> DeviceMesh:
+        """The run's DeviceMesh over ``axes`` (default :meth:`mesh_axes`). Collective: all ranks call it.
+
+        ``axes`` must list every axis of degree > 1; axes of degree 1 may be included (FSDP2 needs a
+        ``dp_shard`` axis even with one rank). A world of one rank without a process group gets a
+        single-rank group on an in-memory store, because DeviceMesh always needs one.
         """
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        if axes is None:
-            axes = tuple(a for a in AXES if getattr(self, a) > 1) or ("shard",)
+        axes = axes or self.mesh_axes()
         unknown = [a for a in axes if a not in AXES]
         if unknown:
             raise ValueError(f"unknown mesh axes {unknown}; the axes are {AXES}")
         missing = [a for a in AXES if getattr(self, a) > 1 and a not in axes]
         if missing:
             raise ValueError(f"axes {missing} have degree > 1 and must be part of the mesh")
+        if self.world_size == 1 and not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
         ordered = tuple(a for a in AXES if a in axes)
         shape = tuple(getattr(self, a) for a in ordered)
         return init_device_mesh(device_type, shape, mesh_dim_names=ordered)

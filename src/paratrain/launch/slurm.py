@@ -17,7 +17,8 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from paratrain.config import ConfigError, LaunchConfig
+from paratrain.config import LaunchConfig
+from paratrain.errors import ConfigError
 
 DEFAULT_PORT = 29500
 

@@ -5,7 +5,7 @@
     paratrain bench comm --sizes 1KB..64MB --plot busbw.png
 
 This process validates every argument first (one clear error, nothing started), then launches N ranks of
-:mod:`paratrain.comm.bench_worker` with the torch elastic agent (:func:`paratrain.launch.run_module`),
+:mod:`paratrain.bench.comm_worker` with the torch elastic agent (:func:`paratrain.launch.run_module`),
 reads rank 0's JSON, and prints a table (or ``--json``) and draws ``--plot``. Sizes use binary units as
 nccl-tests does (1KB = 1024 B). For each size and algorithm it reports the median time, algbw = S/t and
 busbw = algbw × factor with nccl-tests' factors (see :mod:`paratrain.comm.cost`), the α–β model's
@@ -22,9 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from paratrain.comm._common import ALGORITHMS, OPS
+from paratrain.comm._check import ALGORITHMS
+from paratrain.comm._ops import OPS
 from paratrain.comm.cost import BUS_FACTORS
-from paratrain.config import ConfigError, LaunchConfig
+from paratrain.config import LaunchConfig
+from paratrain.errors import ConfigError
 
 COLLECTIVES = tuple(BUS_FACTORS)  # all_reduce, all_gather, reduce_scatter, broadcast, reduce
 DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
@@ -127,13 +129,8 @@ def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchConfig]:
         raise ConfigError(f"--op {args.op!r} is not an op; choose one of {', '.join(OPS)}.")
     if args.op == "mean" and args.dtype.startswith("int"):
         raise ConfigError(f"--op mean needs a float --dtype (the mean of {args.dtype} is not an integer).")
-    if args.plot is not None:
-        if not Path(args.plot).resolve().parent.is_dir():
-            raise ConfigError(f"--plot {args.plot}: directory {Path(args.plot).parent} does not exist.")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install matplotlib.") from None
+    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
+        raise ConfigError(f"--plot {args.plot}: directory {Path(args.plot).parent} does not exist.")
     launch = LaunchConfig(
         nproc_per_node=args.nproc_per_node, backend=args.backend, device=args.device, timeout_s=args.timeout
     )
@@ -159,7 +156,7 @@ def measure(spec: dict[str, Any], launch: LaunchConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-comm-") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec_path.write_text(json.dumps(spec))
-        run_module("paratrain.comm.bench_worker", [str(spec_path), str(out_path)], launch)
+        run_module("paratrain.bench.comm_worker", [str(spec_path), str(out_path)], launch)
         return dict(json.loads(out_path.read_text()))
 
 

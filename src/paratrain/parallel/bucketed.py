@@ -20,14 +20,20 @@ Communication schedule of one optimizer step, on every rank:
    threads. ``ring``/``tree``/``naive``/``rhd``: paratrain's algorithms are blocking functions made of
    ``isend``/``irecv``, so they run on one background thread, bucket after bucket, on a process group of
    their own (a p2p schedule must never interleave with collectives the main thread issues, such as
-   SyncBatchNorm's).
+   SyncBatchNorm's). ``shm`` runs on that thread too, and is **zero-copy** on CPU: the buckets are
+   allocated inside the shared-memory segment (:meth:`ShmCommunicator.allocate`), the peers read a bucket
+   where it lies (:meth:`~paratrain.comm.shm.ShmCommunicator.all_reduce_inplace_slot`), and after the
+   reduction each ``param.grad`` *is* its view of the bucket, so nothing is copied back. That needs an
+   arena of the buckets' bytes per rank in ``/dev/shm`` (N ranks: N times the gradients); when that
+   would take more than half of the free space of ``/dev/shm`` (or the tensors are on a GPU), the buckets
+   stay ordinary tensors and are copied through the segment's slots (``comm.all_reduce(..., "shm")``).
 4. end of backward (an autograd-engine callback, so ``loss.backward()`` returns with synchronised
    gradients, as with DDP): buckets not launched yet (they hold a parameter that got no gradient in this
    backward) are launched with zeros in its place; then we **wait** for every bucket, and copy the
    averaged values back into ``param.grad``. Each bucket also carries one "used" flag per parameter,
    summed by the same all-reduce: a parameter that got no gradient on *any* rank keeps ``grad=None`` (the
    optimizer skips it, as it would in one process); one used on some ranks gets their average.
-5. gradient accumulation: inside :meth:`DataParallel.no_sync` the hooks return at once, so micro-steps
+5. gradient accumulation: inside :meth:`BucketedDataParallel.no_sync` the hooks return at once, so micro-steps
    only accumulate locally and communicate nothing; the last micro-step all-reduces the accumulated sum.
 
 World size 1 installs nothing: no hooks, no copies, no communication.
@@ -36,6 +42,7 @@ World size 1 installs nothing: no hooks, no copies, no communication.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,14 +54,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.config import ConfigError, StrategyConfig
-from paratrain.parallel import Strategy, register_strategy
-from paratrain.runtime import Context
+from paratrain import comm
+from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
+from paratrain.config import COMM_ALGORITHMS, StrategyConfig
+from paratrain.errors import ConfigError
+from paratrain.parallel.registry import register_strategy
+from paratrain.parallel.strategy import Strategy
 
 FIRST_BUCKET_BYTES = 1 << 20
 """Cap of the first bucket (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``): the last layers' gradients, ready first."""
-
-ALGORITHMS = ("native", "ring", "tree", "naive", "rhd")
 
 
 def plan_buckets(
@@ -96,20 +104,42 @@ class _Bucket:
 def _comm_all_reduce() -> Callable[..., Any]:
     """``paratrain.comm.all_reduce``, called without its per-call consistency check (one extra collective;
     every bucket's shape is fixed at wrap time and identical on all ranks)."""
-    try:
-        from paratrain.comm import all_reduce
-    except ImportError as e:  # the comm package is not importable: a clear error instead of a traceback
-        raise ConfigError(
-            "--comm-algorithm ring/tree/naive/rhd needs paratrain.comm.all_reduce, which could not be "
-            f"imported ({e}). Use --comm-algorithm native."
-        ) from None
 
     def run(buf: torch.Tensor, group: Any, algorithm: str) -> None:
-        out = all_reduce(buf, op="sum", algorithm=algorithm, group=group, check=False)
+        out = comm.all_reduce(buf, op="sum", algorithm=algorithm, group=group, check=False)
         if out is not buf:
             buf.copy_(out)
 
     return run
+
+
+SHM_ARENA_SHARE = 0.5
+"""The zero-copy ``shm`` path takes at most this share of the free space of ``/dev/shm``."""
+
+
+def _shm_zero_copy(buckets: list[_Bucket], group: Any) -> ShmCommunicator | None:
+    """A communicator whose arena holds every bucket, with the buckets moved into it (collective), or
+    ``None`` when the zero-copy path cannot be used (GPU tensors, or too little room in ``/dev/shm``: every
+    rank then takes the copying path, decided together)."""
+    if any(b.buffer.device.type != "cpu" for b in buckets):
+        return None
+    need = sum(-(-b.buffer.numel() * b.buffer.element_size() // 64) * 64 for b in buckets)
+    n = dist.get_world_size(group)
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    total = n * need + (2 * n + 2) * DEFAULT_CAPACITY_BYTES
+    fits = torch.tensor([1 if total <= SHM_ARENA_SHARE * free else 0])
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)  # one path for every rank
+    if not fits.item():
+        return None
+    shm = ShmCommunicator(group, arena_bytes=need)
+    for b in buckets:
+        b.buffer = shm.allocate(tuple(b.buffer.shape), b.buffer.dtype)
+        b.buffer.zero_()
+    return shm
 
 
 class GradReducer:
@@ -121,6 +151,7 @@ class GradReducer:
         group: dist.ProcessGroup | None,
         bucket_cap_mb: float,
         algorithm: str = "native",
+        zero_copy: bool = True,
     ) -> None:
         self.module = module
         self.group = group
@@ -161,6 +192,13 @@ class GradReducer:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
             self.group = dist.new_group(ranks)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-dp")
+        self.shm: ShmCommunicator | None = None
+        """``shm`` zero-copy path: the communicator whose arena holds the buckets (``None``: copying)."""
+        if algorithm == "shm" and zero_copy:
+            self.shm = _shm_zero_copy(self.buckets, self.group)
+            if self.shm is not None:
+                shm = self.shm
+                self._p2p = lambda buf, _group, _alg: shm.all_reduce_inplace_slot(buf, "sum")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._reset()
 
@@ -202,6 +240,8 @@ class GradReducer:
             if p.grad is None:
                 view.zero_()
                 buf[bucket.numel + slot] = 0.0
+            elif p.grad.data_ptr() == view.data_ptr():  # zero-copy: autograd accumulated into the bucket
+                view.mul_(scale)
             else:
                 torch.mul(p.grad.reshape(-1), scale, out=view)
         if self._executor is None:
@@ -230,7 +270,9 @@ class GradReducer:
                     p.grad = None  # no rank produced a gradient: leave it unset, as one process would
                     continue
                 avg = buf[off : off + p.numel()].view_as(p)
-                if p.grad is None:
+                if self.shm is not None:
+                    p.grad = avg  # zero-copy: the gradient is its view of the bucket, nothing copied back
+                elif p.grad is None:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
@@ -250,6 +292,8 @@ class GradReducer:
             h.remove()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.shm is not None:
+            self.shm.close()  # gradients that still view the arena keep the mapping alive
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None, params: bool = True) -> None:
@@ -270,23 +314,22 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None, params:
 
 
 @register_strategy("dp")
-class DataParallel(Strategy):
+class BucketedDataParallel(Strategy):
     description = (
         "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with backward"
     )
 
-    def __init__(self, ctx: Context, config: StrategyConfig) -> None:
-        super().__init__(ctx, config)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.reducer: GradReducer | None = None
 
     @classmethod
     def check(cls, world_size: int, config: StrategyConfig) -> None:
-        if config.comm_algorithm not in ALGORITHMS:
+        super().check(world_size, config)
+        if config.comm_algorithm not in COMM_ALGORITHMS:
             raise ConfigError(
-                f"strategy dp: unknown --comm-algorithm {config.comm_algorithm!r}. Choose one of: {', '.join(ALGORITHMS)}."
+                f"strategy dp: unknown --comm-algorithm {config.comm_algorithm!r}. Choose one of: {', '.join(COMM_ALGORITHMS)}."
             )
-        if config.comm_algorithm != "native":
-            _comm_all_reduce()  # fails here, in the launching process, if paratrain.comm is unavailable
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = model.to(self.ctx.device)

@@ -10,35 +10,35 @@ import torch.distributed as dist
 
 from paratrain.config import ConfigError, StrategyConfig
 from paratrain.parallel import check_strategy, get_strategy
-from paratrain.parallel.mesh import Topology
+from paratrain.parallel.topology import Topology
 
 
 def test_product_must_equal_world_size_and_message_prints_every_factor() -> None:
     with pytest.raises(ConfigError) as e:
-        Topology(8, replicate=3, shard=2)
+        Topology(8, dp_replicate=3, dp_shard=2)
     msg = str(e.value)
     for part in ("pp 1", "replicate 3", "shard 2", "tp 1", "= 6", "world size is 8"):
         assert part in msg
     with pytest.raises(ConfigError, match="positive integer"):
-        Topology(4, shard=0)
+        Topology(4, dp_shard=0)
 
 
 def test_infer_fills_the_free_degree() -> None:
-    t = Topology.infer(16, replicate=2, tp=2)
-    assert (t.pp, t.replicate, t.shard, t.tp) == (1, 2, 4, 2)
+    t = Topology.infer(16, dp_replicate=2, tp=2)
+    assert (t.pp, t.dp_replicate, t.dp_shard, t.tp) == (1, 2, 4, 2)
     assert t.dp_size == 8
-    assert t.describe() == "pp 1 x replicate 2 x shard 4 x tp 2 = 16 ranks"
+    assert t.describe() == "pp 1 x dp_replicate 2 x dp_shard 4 x tp 2 = 16 ranks"
     with pytest.raises(ConfigError, match="does not divide the world size 6"):
         Topology.infer(6, tp=4)
     with pytest.raises(ConfigError, match="at most one"):
-        Topology.infer(8, shard=-1, tp=-1)
+        Topology.infer(8, dp_shard=-1, tp=-1)
 
 
 def test_coordinates_are_row_major_with_tp_innermost() -> None:
-    t = Topology(8, replicate=2, shard=2, tp=2)
-    assert t.coordinates(0) == {"pp": 0, "replicate": 0, "shard": 0, "tp": 0}
-    assert t.coordinates(1) == {"pp": 0, "replicate": 0, "shard": 0, "tp": 1}
-    assert t.coordinates(6) == {"pp": 0, "replicate": 1, "shard": 1, "tp": 0}
+    t = Topology(8, dp_replicate=2, dp_shard=2, tp=2)
+    assert t.coordinates(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
+    assert t.coordinates(1) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    assert t.coordinates(6) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 0}
     with pytest.raises(ValueError):
         t.coordinates(8)
 
@@ -54,18 +54,18 @@ def fake_world() -> Iterator[int]:
 
 
 def test_build_mesh_on_a_large_fake_world(fake_world: int) -> None:
-    t = Topology(fake_world, replicate=2, shard=4, tp=2)
+    t = Topology(fake_world, dp_replicate=2, dp_shard=4, tp=2)
     mesh = t.build_mesh("cpu")
-    assert mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
     assert tuple(mesh.shape) == (2, 4, 2)
-    # rank 5 = replicate 0, shard 2, tp 1: its shard group is the ranks that differ only along "shard"
-    assert t.coordinates(5) == {"pp": 0, "replicate": 0, "shard": 2, "tp": 1}
-    assert mesh["shard"].mesh.tolist() == [1, 3, 5, 7]
-    assert mesh["replicate"].mesh.tolist() == [5, 13]
-    hsdp = Topology(fake_world, replicate=1, shard=16).build_mesh("cpu", ("replicate", "shard"))
-    assert hsdp.mesh_dim_names == ("replicate", "shard") and tuple(hsdp.shape) == (1, 16)
+    # rank 5 = replicate 0, shard 2, tp 1: its shard group is the ranks that differ only along "dp_shard"
+    assert t.coordinates(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 2, "tp": 1}
+    assert mesh["dp_shard"].mesh.tolist() == [1, 3, 5, 7]
+    assert mesh["dp_replicate"].mesh.tolist() == [5, 13]
+    hsdp = Topology(fake_world, dp_replicate=1, dp_shard=16).build_mesh("cpu", ("dp_replicate", "dp_shard"))
+    assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(hsdp.shape) == (1, 16)
     with pytest.raises(ValueError, match="must be part of the mesh"):
-        t.build_mesh("cpu", ("shard", "tp"))
+        t.build_mesh("cpu", ("dp_shard", "tp"))
 
 
 def _cfg(**kw: object) -> StrategyConfig:
@@ -74,16 +74,16 @@ def _cfg(**kw: object) -> StrategyConfig:
 
 def test_shard_size_must_divide_world_size() -> None:
     hsdp = get_strategy("hsdp")
-    with pytest.raises(ConfigError, match=r"--shard-size 3 does not divide the world size 4.*1, 2, 4"):
+    with pytest.raises(ConfigError, match=r"--shard-size 3 does not divide the data-parallel size 4.*1, 2, 4"):
         check_strategy(hsdp, 4, _cfg(name="hsdp", shard_size=3))
     with pytest.raises(ConfigError, match="does not divide"):
         check_strategy(hsdp, 4, _cfg(name="hsdp", shard_size=8))
     check_strategy(hsdp, 8, _cfg(name="hsdp", shard_size=4))
-    assert hsdp.topology(8, _cfg(name="hsdp")).degrees() == {"pp": 1, "replicate": 2, "shard": 4, "tp": 1}
+    assert hsdp.topology_for(8, _cfg(name="hsdp")).degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}
 
 
 def test_hsdp_needs_two_ranks() -> None:
-    with pytest.raises(ConfigError, match="hsdp needs at least 2 ranks.*world size is 1"):
+    with pytest.raises(ConfigError, match="hsdp needs at least 2 data-parallel ranks.*there are 1"):
         check_strategy(get_strategy("hsdp"), 1, _cfg(name="hsdp"))
 
 

@@ -1,0 +1,1 @@
+"""Measuring commands that start workers: ``paratrain bench comm`` (collectives over message sizes)."""

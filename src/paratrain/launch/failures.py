@@ -1,0 +1,99 @@
+"""A failed worker group, reported as one paragraph: the first failing rank, its error and where it was raised.
+
+The agent's error files (``TORCHELASTIC_ERROR_FILE``, written by :func:`paratrain.runtime.record_errors`) are
+read and sorted root cause first, instead of printing a traceback per rank.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+
+class LaunchError(RuntimeError):
+    """A worker group failed; ``str()`` names the first failing rank and its error."""
+
+    def __init__(self, message: str, failures: list[RankFailure] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or []
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    local_rank: int
+    exitcode: int
+    message: str
+    traceback: str
+    timestamp: int
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def read_failures(err: Any) -> list[RankFailure]:
+    out = []
+    for rank, f in err.failures.items():
+        data = f.error_file_data.get("message", {}) if isinstance(f.error_file_data, dict) else {}
+        if isinstance(data, dict):
+            msg = data.get("message", "") or ""
+            tb = (data.get("extraInfo") or {}).get("py_callstack", "") or ""
+        else:
+            msg, tb = str(data), ""
+        if not msg or msg == "<NONE>" or msg.startswith("To enable traceback"):
+            msg = _describe_exit(f.exitcode)
+        out.append(RankFailure(rank, f.local_rank, f.exitcode, msg, tb, int(f.timestamp or 0)))
+    return sorted(out, key=_root_cause_order)
+
+
+def _noticed_a_dead_peer(f: RankFailure) -> bool:
+    return f.message.startswith("PeerLostError") or "stopped responding" in f.message
+
+
+def _root_cause_order(f: RankFailure) -> tuple[int, int, int]:
+    """Root cause first: a recorded exception, then a non-zero exit, then a signal; last, SIGTERM, which
+    the agent itself sends to the surviving ranks once one has failed. A rank whose error only reports
+    that a peer died (``PeerLostError``) comes after that peer: the dead rank is the headline."""
+    if f.traceback and not _noticed_a_dead_peer(f):
+        kind = 0
+    elif _noticed_a_dead_peer(f):
+        kind = 2
+    elif f.exitcode > 0:
+        kind = 1
+    elif f.exitcode == -signal.SIGTERM:
+        kind = 3
+    else:
+        kind = 1
+    return (kind, f.timestamp, f.rank)
+
+
+def format_failure(failures: list[RankFailure], attempts: int) -> str:
+    first = failures[0]
+    if first.exitcode < 0 and first.message == _describe_exit(first.exitcode):
+        lines = [f"rank {first.rank} died ({first.message})"]  # no error of its own: killed
+    else:
+        lines = [f"rank {first.rank} failed ({_describe_exit(first.exitcode)}): {first.message}"]
+    frame = _last_frame(first.traceback)
+    if frame:
+        lines.append(f"  at {frame}")
+    noticed = [f for f in failures[1:] if _noticed_a_dead_peer(f)]
+    for f in noticed[:1]:
+        lines.append(f"  rank {f.rank} then failed: {f.message}")
+    others = [f.rank for f in failures[1:] if f not in noticed[:1]]
+    if others:
+        lines.append(f"  ranks {others} stopped after it.")
+    if attempts > 0:
+        lines.append(f"  (after {attempts} restart(s) by the elastic agent)")
+    return "\n".join(lines)
+
+
+def _last_frame(tb: str) -> str:
+    frames = [ln.strip() for ln in tb.splitlines() if ln.strip().startswith('File "')]
+    return frames[-1] if frames else ""

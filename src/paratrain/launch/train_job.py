@@ -1,0 +1,168 @@
+"""``paratrain train`` in the launching process: every check that can fail before a process starts, then
+the workers (``python -m paratrain.train.worker``) under the elastic agent, then the summary.
+
+Nothing here trains: the workers do. What runs here is cheap: the registries refuse unknown names, the
+strategy preset turns the flags into the run's one :class:`~paratrain.parallel.topology.Topology` (printing
+every factor when they do not multiply to the world size), the dataset is opened, and the model is built
+on the meta device to check the options that depend on it (activation checkpointing, resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from paratrain.checkpoint.lock import acquire_checkpoint_lock, preflight_checkpoint_dir
+from paratrain.config import RunConfig
+from paratrain.errors import ConfigError
+from paratrain.launch.agent import (
+    gpu_count,
+    preflight,
+    preflight_train,
+    resolve_nproc,
+    run_module,
+    wait_for_summary,
+)
+from paratrain.launch.failures import LaunchError
+
+
+def preflight_run(cfg: RunConfig) -> int:
+    """Every check of ``paratrain train`` that can fail before a process starts. Returns the world size.
+
+    Also resolves the topology into ``cfg.strategy`` (``dp_replicate``/``dp_shard``), so the workers build
+    the mesh the launching process validated.
+    """
+    import torch
+
+    from paratrain.checkpoint.inspect import preflight_resume
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model, get_model_builder
+    from paratrain.parallel import check_strategy, get_strategy
+    from paratrain.parallel.parallelize import preflight_features
+    from paratrain.train.observe import preflight_observers
+
+    preflight(cfg.launch)
+    preflight_observers(cfg)  # --tensorboard without the tensorboard package
+    nnodes = int(cfg.launch.nnodes.split(":")[0])
+    world = resolve_nproc(cfg.launch) * nnodes
+    strategy = get_strategy(cfg.strategy.name)  # unknown names are refused by the registries themselves
+    get_model_builder(cfg.model.name)
+    check_strategy(strategy, world, cfg.strategy)
+    cfg.validate(world, strategy.data_parallel_size(world, cfg.strategy))
+    if cfg.train.precision == "fp16" and strategy.name in ("zero1", "zero2"):
+        # The sharded optimizer reduce-scatters and frees gradients inside backward, before a GradScaler
+        # could unscale them and check them for inf/nan: loss scaling cannot be applied correctly.
+        raise ConfigError(
+            f"--precision fp16 does not work with strategy {strategy.name!r} (its gradients are sharded "
+            "and freed before loss scaling can unscale them). Use --precision bf16."
+        )
+    uses_cuda = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and gpu_count() > 0)
+    if cfg.train.precision == "fp16" and not uses_cuda:
+        raise ConfigError(
+            "--precision fp16 needs a CUDA GPU (fp16 loss scaling is not supported on CPU). "
+            "Use --precision bf16, which autocasts on CPU too, or fp32."
+        )
+    for what, value in (("--ckpt-dir", cfg.checkpoint.dir), ("--run-dir", cfg.train.run_dir)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
+    data = build_dataset(cfg.data)
+    dp = strategy.data_parallel_size(world, cfg.strategy)
+    if len(data.train) < cfg.train.batch_size:
+        raise ConfigError(
+            f"the training split of {cfg.data.name!r} has {len(data.train)} samples, fewer than one global "
+            f"batch of {cfg.train.batch_size}. Use a smaller --batch-size."
+        )
+    if cfg.train.batch_size // (dp * cfg.train.grad_accum) < 1:
+        raise ConfigError("the per-rank micro-batch would be empty; raise --batch-size or lower --grad-accum")
+    micro = cfg.train.batch_size // (dp * cfg.train.grad_accum)
+    topo = strategy.topology_for(world, cfg.strategy)
+    microbatches = cfg.strategy.microbatches or topo.pp
+    if topo.pp > 1 and micro % microbatches:
+        raise ConfigError(
+            f"--microbatches {microbatches} does not divide the per-rank batch {micro} (global batch "
+            f"{cfg.train.batch_size} / {dp} data-parallel ranks / grad_accum {cfg.train.grad_accum}). Choose "
+            f"--microbatches among the divisors of {micro}, or a --batch-size that splits evenly."
+        )
+    try:
+        with torch.device("meta"):
+            meta_model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for warning in preflight_features(cfg, meta_model):
+        print(f"paratrain: warning: {warning}", file=sys.stderr)
+    strategy.check_model(meta_model, world, cfg.strategy)
+    preflight_train(cfg, world, strategy)  # elastic ranges, fault-injection rank, multi-node run dir
+    preflight_resume(cfg, meta_model, cfg.train.run_dir)  # a checkpoint of another model fails here
+    if ":" not in cfg.launch.nnodes:  # a fixed world: the workers build exactly the mesh validated here
+        topo = strategy.topology_for(world, cfg.strategy)
+        cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
+    return world
+
+
+def preflight_run_dir(run_dir: Path) -> None:
+    """Create the run directory and prove it writable (a probe file), or fail naming it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"the run directory {run_dir} is not writable ({e.strerror or e}). Give a writable --run-dir."
+        ) from None
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg.strategy.name.replace('+', '_')}-{uuid.uuid4().hex[:6]}"
+
+
+def run_training(cfg: RunConfig, quiet: bool = False) -> dict[str, Any]:
+    """Check, launch the workers, and return the run's summary. Raises :class:`ConfigError` on bad input
+    and :class:`LaunchError` when the workers fail."""
+    run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else default_run_dir(cfg)
+    if cfg.data.cache_dir is None:  # a trained tokenizer is cached next to the run, trained once (preflight)
+        cfg.data.cache_dir = str(run_dir)
+    world = preflight_run(cfg)
+    run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else run_dir  # multi-node: runs/<rdzv-id>
+    preflight_run_dir(run_dir)
+    cfg.train.run_dir = str(run_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    preflight_checkpoint_dir(ckpt_dir)  # a read-only or unusable directory fails now, not after training
+    # One writer per checkpoint directory: the lock is held by this process for the whole run (node 0 of a
+    # multi-node job); the workers name their temporary files after the same job id.
+    job_id = os.environ.setdefault(
+        "PARATRAIN_JOB_ID", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
+    lock = acquire_checkpoint_lock(ckpt_dir, job_id) if cfg.launch.node_rank == 0 else None
+    config_path = run_dir / "config.json"
+    if cfg.train.progress is None:
+        # Workers write through the elastic agent's log relay, so their own stderr is never a terminal:
+        # the launching process decides whether a person is watching.
+        cfg.train.progress = sys.stderr.isatty()
+    config_path.write_text(cfg.to_json())
+    summary_path = run_dir / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    if not quiet:
+        print(
+            f"paratrain: {cfg.model.name} on {cfg.data.name}, strategy {cfg.strategy.name}, "
+            f"{world} process(es), run dir {run_dir}",
+            file=sys.stderr,
+        )
+    try:
+        run_module("paratrain.train.worker", [str(config_path)], cfg.launch)
+    finally:
+        if lock is not None:
+            lock.release()
+    if not summary_path.is_file() and cfg.launch.nnodes != "1" and not wait_for_summary(summary_path):
+        return {}  # another node ran rank 0: it prints the summary
+    if not summary_path.is_file():
+        raise LaunchError("the workers exited without writing a summary")
+    summary: dict[str, Any] = json.loads(summary_path.read_text())
+    return summary

@@ -1,0 +1,75 @@
+"""``peak_bytes_per_rank``: the live bytes of one training step, measured while it runs.
+
+``model_state_bytes`` (:mod:`paratrain.parallel.memory`) counts what a rank holds *at rest*, after
+``optimizer.step()``. A step needs more at its peak: activations kept for backward, gradients before they
+are reduced, zero1/zero2's full-size send buffers, FSDP's unsharded units. PyTorch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``, a ``TorchDispatchMode``) follows every tensor storage created
+during the step, plus the parameters, gradients and optimizer state registered with ``track_external``,
+and records the peak of their sum per device. It runs on CPU and GPU alike.
+
+What it cannot see: storage allocated outside the dispatcher before the step, such as torch DDP's C++
+gradient buckets and ``dp``'s persistent bucket buffers (allocated once, at wrap time). Those are reported
+separately by their strategies where known, and are named in docs/train.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+T = TypeVar("T")
+
+
+def measure_peak(
+    fn: Callable[[], T], model: nn.Module, optimizer: Any, log: logging.Logger | None = None
+) -> tuple[T, int | None]:
+    """Run ``fn`` (one training step) under ``MemTracker``; return its result and the peak live bytes on the
+    model's device (``None`` when the tracker cannot follow this model, with a log line saying why)."""
+    tracker = _step_tracker()
+    externals: list[Any] = [model]
+    for opt in (optimizer, getattr(optimizer, "optim", None)):
+        if isinstance(opt, torch.optim.Optimizer):
+            externals.append(opt)
+    try:
+        tracker.track_external(*externals)
+        entered = tracker.__enter__()
+    except Exception as e:  # a model the tracker cannot register: train on, report no figure
+        if log is not None:
+            log.warning("peak memory not measured: %s: %s", type(e).__name__, e)
+        return fn(), None
+    try:
+        result = fn()
+    finally:
+        entered.__exit__(None, None, None)
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    per_device = {getattr(d, "type", str(d)): v for d, v in peak.items()}
+    totals = [int(v.get("Total", 0)) for d, v in peak.items() if getattr(d, "type", None) == device.type]
+    if not totals and per_device:
+        totals = [int(max(v.get("Total", 0) for v in peak.values()))]
+    return result, (max(totals) if totals else None)
+
+
+def _step_tracker() -> Any:
+    """A ``MemTracker`` for one optimizer step of K micro-batches (``--grad-accum K``).
+
+    MemTracker keeps per-module statistics and refuses a root module whose forward runs a second time
+    outside backward ("multiple iterative calls"), which is what accumulation does. Only the global peak is
+    read here, so the per-module statistics are reset before each micro-batch's root forward; the live
+    storages (and so the peak) are tracked across the whole step regardless.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            mods = self._mod_tracker
+            root = set(mods.parents) - {mods.get_known_fqn(module)} == {"Global"}
+            if module in self.memory_tracking and not mods.is_bw and root:
+                self.reset_mod_stats()  # the next micro-batch's forward of the root module
+            super()._pre_fw_hook(module, inputs)
+
+    return StepTracker()
