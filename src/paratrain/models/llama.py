@@ -1,0 +1,507 @@
+"""A Llama-style decoder-only transformer, written to be read top to bottom.
+
+The architecture is Llama 2/3's (Touvron et al. 2023, https://arxiv.org/abs/2307.09288; Meta's Llama 3 report,
+https://arxiv.org/abs/2407.21783): pre-norm blocks with RMSNorm (Zhang & Sennrich 2019), rotary position
+embeddings (Su et al. 2021, https://arxiv.org/abs/2104.09864), a SwiGLU MLP (Shazeer 2020,
+https://arxiv.org/abs/2002.05202) and grouped-query attention (Ainslie et al. 2023,
+https://arxiv.org/abs/2305.13245), computed with causal ``F.scaled_dot_product_attention``. No biases.
+
+Module names are the ones Meta's checkpoints and torchtitan use, because the parallel code addresses
+modules by name::
+
+    tok_embeddings                      nn.Embedding(vocab_size, dim)
+    layers.{i}.attention_norm           RMSNorm
+    layers.{i}.attention.wq/wk/wv/wo    nn.Linear: tensor parallel shards wq/wk/wv colwise, wo rowwise
+    layers.{i}.ffn_norm                 RMSNorm
+    layers.{i}.feed_forward.w1/w3/w2    nn.Linear: w1/w3 colwise, w2 rowwise
+    norm                                RMSNorm
+    output                              nn.Linear(dim, vocab_size), its weight tied to tok_embeddings when
+                                        ``tie_embeddings``
+
+**Why ``layers`` is an ``nn.ModuleDict`` and ``blocks`` a view of it.** A pipeline stage is made by
+deleting the layers that live on other stages (``del model.layers["5"]``) and setting ``tok_embeddings``,
+``norm`` or ``output`` to ``None``. With a ModuleDict keyed ``"0".."n-1"`` the surviving layers keep their
+original names (``layers.7.attention.wq.weight`` on every stage), so Distributed Checkpoint saves and loads
+every layout under one set of names; a ModuleList would renumber them from 0. The rest of paratrain
+(activation checkpointing, per-block FSDP units) works on ``model.blocks``, an ``nn.ModuleList``; here
+``blocks`` is a property that returns a fresh list view of ``layers`` (it is not registered, so no name
+appears twice). Assigning ``model.blocks[i] = wrapper(block)`` writes through into ``layers``.
+
+**Attention under tensor parallelism.** The number of heads a module computes is read from the width of
+``wq``'s output (``wq(x).shape[-1] // head_dim``), not from the config. After ``parallelize_module`` shards
+wq/wk/wv colwise with ``use_local_output=True``, each rank sees only its local heads and the same code runs.
+
+**Init.** :meth:`Llama.init_weights` draws every weight from the global torch RNG in a fixed module order,
+so the values depend on the seed only, never on the world size, as long as it runs on the full model before
+it is sharded or split. The rotary tables are non-persistent buffers (they are not in checkpoints) and
+``init_weights(buffer_device)`` recomputes them, so the model can be built on the meta device, moved with
+``to_empty(device=...)`` and then initialised (torchtitan's flow).
+
+Named configurations are in :data:`PRESETS`. The large ones (``llama2-*``, ``llama3-*``) are shapes for the
+planner: :func:`build_llama` builds them on the meta device only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.errors import ConfigError, suggest
+
+__all__ = [
+    "PRESETS",
+    "SHAPE_ONLY_PRESETS",
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "RMSNorm",
+    "TransformerBlock",
+    "apply_rope",
+    "build_llama",
+    "count_params",
+    "flops_per_token",
+    "precompute_rope",
+    "resolve_config",
+]
+
+
+@dataclass
+class LlamaConfig:
+    """The shape of a Llama model. Every field can be set with ``--set model.FIELD=VALUE``."""
+
+    dim: int = 64
+    """Width of the residual stream (the hidden size)."""
+    n_layers: int = 6
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads per attention layer; ``head_dim = dim // n_heads``."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide ``n_heads``. Equal to ``n_heads`` is MHA."""
+    ffn_hidden: int = 192
+    """Hidden width of the SwiGLU MLP (the output width of w1 and w3)."""
+    vocab_size: int = 256
+    """Number of token ids; 256 for the byte-level tokenizer."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables cover."""
+    norm_eps: float = 1e-5
+    """Epsilon added to the mean square in RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (10000 in Llama 2, 500000 in Llama 3)."""
+    tie_embeddings: bool = False
+    """Share one matrix between ``tok_embeddings`` and ``output``."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init; ``wo`` and ``w2`` use ``init_std / sqrt(2 * n_layers)``."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}.")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                "pick n_heads that divides dim."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}: "
+                "each key/value head serves a whole group of query heads."
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim = dim / n_heads = {self.head_dim} is odd; rotary embeddings rotate pairs of "
+                "channels, so it must be even."
+            )
+        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
+            raise ConfigError(
+                "model.norm_eps, model.rope_theta and model.init_std must be positive, got "
+                f"{self.norm_eps!r}, {self.rope_theta!r}, {self.init_std!r}."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# ---------------------------------------------------------------------------------------------- presets
+# Large shapes are Meta's published ones (params.json of each release); the counts are asserted in tests.
+PRESETS: dict[str, LlamaConfig] = {
+    # 328,512 parameters: fast enough for every unit and distributed test.
+    "llama-debug": LlamaConfig(
+        dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=256, max_seq_len=256
+    ),
+    # 25,436,672 parameters with the byte vocabulary (29,630,976 with --set data.tokenizer=bpe:4096).
+    "llama-small": LlamaConfig(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1536, vocab_size=256, max_seq_len=1024
+    ),
+    "llama2-7b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=11008, vocab_size=32000, max_seq_len=4096
+    ),
+    "llama2-13b": LlamaConfig(
+        dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_hidden=13824, vocab_size=32000, max_seq_len=4096
+    ),
+    "llama2-70b": LlamaConfig(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab_size=32000, max_seq_len=4096
+    ),
+    "llama3-8b": LlamaConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": LlamaConfig(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+SHAPE_ONLY_PRESETS: frozenset[str] = frozenset(
+    {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b"}
+)
+"""Presets for ``paratrain plan`` and memory accounting: :func:`build_llama` builds them on meta only."""
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 and cast back (no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``cos, sin``, each ``[max_seq_len, head_dim // 2]`` in float32.
+
+    Channel pair ``j`` at position ``m`` is rotated by the angle ``m * theta^(-2j / head_dim)``.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [batch, seq, heads, head_dim]`` by the angles of positions ``0..seq-1``.
+
+    Channels ``(2j, 2j+1)`` form a 2-D vector that is rotated by a position-dependent angle (the pairing of
+    Meta's reference code, so its checkpoints load unchanged). A rotation keeps the norm, and the dot
+    product of a query rotated to position ``m`` with a key rotated to ``n`` depends on ``m - n`` only.
+    """
+    seq = x.shape[1]
+    c = cos[:seq].view(1, seq, 1, -1)
+    s = sin[:seq].view(1, seq, 1, -1)
+    x32 = x.float()
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+    return rotated.type_as(x)  # the tables are float32; keep the activation dtype (bf16 under autocast)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: ``n_heads`` query heads share ``n_kv_heads`` key/value heads."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism wq/wk/wv hold this rank's heads only, so count them from the
+        # projection's width instead of trusting the config.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, head_dim]
+        # Key/value head j serves query heads j*group .. (j+1)*group-1. A colwise shard of wq and wk keeps
+        # whole groups together on one rank, so the local repeat is the global one.
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class _LayerListView(nn.ModuleList):
+    """The values of a ModuleDict as a ModuleList; ``view[i] = m`` also replaces the entry in the dict."""
+
+    _owner: nn.ModuleDict
+    _keys: list[str]
+
+    def __init__(self, layers: nn.ModuleDict) -> None:
+        super().__init__(layers.values())
+        # Plain attributes (not submodules): the view must not register the dict a second time.
+        object.__setattr__(self, "_owner", layers)
+        object.__setattr__(self, "_keys", list(layers.keys()))
+
+    def __setitem__(self, idx: int, module: nn.Module) -> None:  # type: ignore[override]
+        super().__setitem__(idx, module)
+        self._owner[self._keys[idx]] = module
+
+
+# ---------------------------------------------------------------------------------------------- model
+class Llama(nn.Module):
+    """``model(tokens [b, s]) -> logits [b, s, vocab_size]``.
+
+    A pipeline stage is this model with some modules deleted: with ``tok_embeddings is None`` the input is
+    the hidden states ``[b, s, dim]`` from the previous stage; with ``output is None`` (and ``norm`` is
+    None) the result is the hidden states for the next stage. Tied embeddings cannot be split across stages.
+    """
+
+    freqs_cos: torch.Tensor
+    freqs_sin: torch.Tensor
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        target = torch.get_default_device()
+        # Build on meta, then materialise and initialise once: PyTorch's per-layer default inits would
+        # consume the global RNG first, and then a CPU build and a meta build + to_empty + init_weights
+        # from the same seed would give different weights.
+        with torch.device("meta"):
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+            self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self._tie()
+        # Non-persistent: derived from the config, so they stay out of checkpoints and state_dict().
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
+        self.init_weights()
+
+    def _tie(self) -> None:
+        emb, out = self.tok_embeddings, self.output
+        if (
+            self.config.tie_embeddings
+            and emb is not None
+            and out is not None
+            and out.weight is not emb.weight
+        ):
+            out.weight = emb.weight
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Llama:
+        # A move that makes new tensors (meta -> cpu in ``to_empty``) gives each module its own copy of a
+        # shared parameter, which would silently untie the embeddings: tie them again afterwards.
+        super()._apply(fn, recurse)
+        self._tie()
+        return self
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks present on this model, in layer order, as a write-through list view."""
+        return _LayerListView(self.layers)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.freqs_cos.shape[0]:
+            raise ValueError(
+                f"sequence length {seq} exceeds model.max_seq_len={self.freqs_cos.shape[0]}: "
+                "raise model.max_seq_len or lower --seq-len"
+            )
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cos, self.freqs_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialise the parameters and recompute the rotary buffers.
+
+        Every weight matrix is drawn from ``N(0, init_std^2)``, except the projections that write into the
+        residual stream (``wo``, ``w2``), whose std is divided by ``sqrt(2 * n_layers)`` so the residual's
+        variance does not grow with depth (GPT-2, Radford et al. 2019). Norm weights are 1. The draws come
+        from the global RNG in a fixed order: ``tok_embeddings``, then each present layer in index order
+        (``wq, wk, wv, wo, w1, w2, w3``), then ``output`` (skipped when tied). On the meta device nothing is
+        drawn; the buffers are rebuilt on ``buffer_device`` (default: where they are now).
+        """
+        cfg = self.config
+        device = buffer_device if buffer_device is not None else self.freqs_cos.device
+        cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        self.freqs_cos, self.freqs_sin = cos, sin  # replaces the registered buffers (still non-persistent)
+
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for layer in self.layers.values():
+            block: TransformerBlock = _unwrap(layer)
+            attn, ffn = block.attention, block.feed_forward
+            for lin, s in ((attn.wq, std), (attn.wk, std), (attn.wv, std), (attn.wo, out_std)):
+                nn.init.normal_(lin.weight, std=s)
+            for lin, s in ((ffn.w1, std), (ffn.w2, out_std), (ffn.w3, std)):
+                nn.init.normal_(lin.weight, std=s)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+
+def _unwrap(module: nn.Module) -> Any:
+    """The block inside an activation-checkpoint wrapper (or the module itself)."""
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+# ---------------------------------------------------------------------------------------------- builders
+def count_params(cfg: LlamaConfig, include_embedding: bool = True) -> int:
+    """The parameter count of ``cfg`` by arithmetic (equal to the built model's; no model is built).
+
+    ``include_embedding=False`` leaves out the input embedding table but keeps the output head; with tied
+    embeddings the one shared matrix is counted once, as the head.
+    """
+    kv = cfg.n_kv_heads * cfg.head_dim
+    attention = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2  # wq, wo + wk, wv
+    mlp = 3 * cfg.dim * cfg.ffn_hidden
+    per_layer = attention + mlp + 2 * cfg.dim  # + two RMSNorm weights
+    embedding = cfg.vocab_size * cfg.dim
+    head = embedding  # the output matrix; shared with the embedding when tied
+    total = cfg.n_layers * per_layer + cfg.dim + head + (0 if cfg.tie_embeddings else embedding)
+    if not include_embedding and not cfg.tie_embeddings:
+        total -= embedding
+    return total
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) for MFU, in the PaLM convention.
+
+    ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, https://arxiv.org/abs/2204.02311, appendix B):
+
+    - ``6 * N``: each weight does one multiply-add (2 FLOPs) per token in forward and two in backward.
+      ``N`` counts every weight that takes part in a matmul: all parameters except the input embedding
+      table, whose lookup costs no FLOPs. The output head counts, tied or not (torchtitan counts the same).
+    - ``12 * L * H * Q * T``: the attention scores ``QK^T`` and the weighted sum ``AV``, with ``L`` layers,
+      ``H`` query heads of size ``Q`` and ``T = seq_len`` keys per query; counted over the full ``T x T``
+      square although the causal mask skips half, as PaLM (and most MFU reports) do.
+    """
+    n_matmul = count_params(cfg, include_embedding=False)
+    return float(6 * n_matmul + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len)
+
+
+def _apply_overrides(cfg: LlamaConfig, overrides: Mapping[str, Any]) -> LlamaConfig:
+    fields = {f.name: f for f in dataclasses.fields(LlamaConfig)}
+    values: dict[str, Any] = {}
+    for key, value in overrides.items():
+        name = key.removeprefix("model.")
+        if name not in fields:
+            raise ConfigError(f"unknown Llama field model.{name}. {suggest(name, fields)}")
+        values[name] = _coerce(name, value, getattr(cfg, name))
+    return dataclasses.replace(cfg, **values)
+
+
+def _coerce(name: str, value: Any, current: Any) -> Any:
+    """``"128"`` -> 128 for an int field (``--set`` values may arrive as text)."""
+    if not isinstance(value, str):
+        return float(value) if isinstance(current, float) and isinstance(value, int) else value
+    try:
+        if isinstance(current, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        return type(current)(value)
+    except ValueError:
+        raise ConfigError(f"model.{name}={value!r} is not a valid {type(current).__name__}.") from None
+
+
+def resolve_config(
+    name_or_config: str | LlamaConfig, overrides: Mapping[str, Any] | None = None
+) -> LlamaConfig:
+    """A preset name (or a config) with ``overrides`` applied and validated."""
+    if isinstance(name_or_config, LlamaConfig):
+        cfg = name_or_config
+    elif name_or_config in PRESETS:
+        cfg = PRESETS[name_or_config]
+    else:
+        raise ConfigError(f"unknown Llama preset {name_or_config!r}. {suggest(name_or_config, PRESETS)}")
+    return _apply_overrides(cfg, overrides or {})
+
+
+def build_llama(
+    name_or_config: str | LlamaConfig,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    allow_large: bool = False,
+) -> Llama:
+    """Build a preset (or ``LlamaConfig``) with field ``overrides`` such as ``{"n_layers": 2}``.
+
+    The model is created on ``device`` (default: the current default device, so ``with
+    torch.device("meta"):`` works) and initialised from the global RNG. A shape-only preset
+    (:data:`SHAPE_ONLY_PRESETS`) is refused off the meta device unless ``allow_large=True``.
+    """
+    cfg = resolve_config(name_or_config, overrides)
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    shape_only = isinstance(name_or_config, str) and name_or_config in SHAPE_ONLY_PRESETS
+    if shape_only and target.type != "meta" and not allow_large:
+        raise ConfigError(
+            f"model {name_or_config!r} ({count_params(cfg) / 1e9:.1f}B parameters) is a shape-only preset "
+            "for `paratrain plan` and memory accounting; it is built on the meta device only. "
+            "Train llama-debug or llama-small instead, or build it with device='meta'."
+        )
+    with torch.device(target):
+        return Llama(cfg)
