@@ -1,0 +1,348 @@
+"""Rules about the model's replicas: BatchNorm statistics, identical initialization, unused-parameter scan.
+
+Seed 001's Consolidated Pitfall Table, rows 5, 8 and 10.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from .analysis import Module
+from .astutil import dotted, identifiers, is_const, kwarg, pos
+from .engine import Hit, rule
+
+_BATCHNORMS = (
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "LazyBatchNorm1d",
+    "LazyBatchNorm2d",
+    "LazyBatchNorm3d",
+)
+# torch.nn layers with randomly initialized parameters (norm layers start at ones/zeros: not random).
+_RANDOM_LAYERS = frozenset(
+    [
+        "Linear",
+        "Bilinear",
+        "LazyLinear",
+        "Conv1d",
+        "Conv2d",
+        "Conv3d",
+        "ConvTranspose1d",
+        "ConvTranspose2d",
+        "ConvTranspose3d",
+        "LazyConv1d",
+        "LazyConv2d",
+        "LazyConv3d",
+        "Embedding",
+        "EmbeddingBag",
+        "RNN",
+        "LSTM",
+        "GRU",
+        "Transformer",
+        "TransformerEncoder",
+        "TransformerDecoder",
+        "TransformerEncoderLayer",
+        "TransformerDecoderLayer",
+        "MultiheadAttention",
+        "Sequential",
+        "ModuleList",
+        "ModuleDict",
+    ]
+)
+_PRETRAINED = re.compile(r"from_pretrained|load|checkpoint", re.IGNORECASE)
+_LOADS = frozenset({"load_state_dict", "set_model_state_dict", "set_state_dict", "load"})
+_BROADCASTS = frozenset({"broadcast", "broadcast_parameters", "_sync_module_states", "sync_module_states"})
+_NOT_TORCH_SEEDS = ("random.seed", "numpy.random.seed", "np.random.seed", "random.Random")
+
+
+def _ddp_calls(m: Module) -> list[ast.Call]:
+    return [c for c, kind in m.wrapper_calls() if kind == "ddp"]
+
+
+@rule(
+    "batchnorm-not-synced",
+    "PTL005",
+    "warning",
+    "BatchNorm in a model wrapped in DDP, without convert_sync_batchnorm",
+    "model = nn.SyncBatchNorm.convert_sync_batchnorm(model) before model.to(device) and DDP(...)",
+)
+def batchnorm_not_synced(m: Module) -> Iterator[Hit]:
+    """Seed 001, pitfall 5: plain BatchNorm under DDP.
+
+    Why: each rank normalizes with the mean and variance of its own local batch and keeps its own running
+    statistics (DDP broadcasts rank 0's buffers every forward, so the others' are thrown away); with small
+    per-GPU batches the result differs from single-GPU training or diverges. It is a warning: with large
+    per-GPU batches per-rank statistics are a deliberate, common choice.
+    Fix: ``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` before wrapping.
+    """
+    ddp = _ddp_calls(m)
+    if not ddp or m.calls_to("convert_sync_batchnorm"):
+        return
+    if any(
+        w == "SyncBatchNorm"
+        for n in m.nodes
+        if isinstance(n, ast.Attribute | ast.Name)
+        for w in identifiers(n)
+    ):
+        return
+    for c in m.calls:
+        if m.is_torch(c, *_BATCHNORMS):
+            yield Hit(
+                c,
+                f"{m.callee(c).rpartition('.')[2]} in a script that wraps its model in DDP (line "
+                f"{ddp[0].lineno}): each rank normalizes with its own local batch statistics",
+            )
+
+
+@rule(
+    "find-unused-parameters",
+    "PTL010",
+    "warning",
+    "find_unused_parameters=True",
+    "drop find_unused_parameters=True when every parameter gets a gradient in every forward "
+    "(or use static_graph=True for a fixed set of unused ones)",
+)
+def find_unused_parameters(m: Module) -> Iterator[Hit]:
+    """Seed 001, pitfall 10: ``find_unused_parameters=True`` without need.
+
+    Why: DDP then walks the autograd graph after every forward to mark parameters that will get no
+    gradient: extra time every step, and buckets that cannot start all-reducing early. Only models with
+    parameters unused in some forwards (dynamic graphs, multi-task heads) need it. A warning: the linter
+    cannot see whether this model does; silence it with ``# paratrain: ignore[find-unused-parameters]``.
+    Fix: leave the default (False).
+    """
+    for c in _ddp_calls(m):
+        flag = kwarg(c, "find_unused_parameters")
+        if is_const(flag, True):
+            assert flag is not None
+            yield Hit(
+                flag,
+                "find_unused_parameters=True makes DDP traverse the autograd graph after every "
+                "forward and delays gradient all-reduce; it is only needed when some parameters "
+                "get no gradient",
+            )
+
+
+# -- unseeded-init ----------------------------------------------------------------------------------------
+
+
+def _seeds_torch(m: Module, call: ast.Call) -> bool:
+    """``torch.manual_seed``, ``seed_everything``, ``set_seed``, ``paratrain.init()`` (unless seed=None).
+
+    Not ``random.seed``/``np.random.seed`` (torch's RNG is untouched) nor ``torch.cuda.manual_seed*`` (the
+    CPU RNG that initializes CPU-built models is not).
+    """
+    full = m.callee(call)
+    if full in ("paratrain.init", "paratrain.runtime.init"):
+        return not is_const(kwarg(call, "seed"), None)
+    last = full.rpartition(".")[2]
+    if "seed" in last.lower():
+        return not (full in _NOT_TORCH_SEEDS or full.startswith("torch.cuda.") or last == "initial_seed")
+    return False
+
+
+def _seed_calls(m: Module) -> list[ast.Call]:
+    """Calls that seed torch: directly, or through functions of this file that do (computed once per file)."""
+    if "seed_calls" not in m.memo:
+        direct = [c for c in m.calls if _seeds_torch(m, c)]
+        direct_set = set(direct)
+        seeding: set[str] = set()
+        changed = True
+        while changed:  # functions that seed, directly or through each other
+            changed = False
+            for name, inner in m.function_calls.items():
+                if name in seeding:
+                    continue
+                if any(
+                    c in direct_set or (isinstance(c.func, ast.Name) and c.func.id in seeding) for c in inner
+                ):
+                    seeding.add(name)
+                    changed = True
+        via = [c for c in m.calls if isinstance(c.func, ast.Name) and c.func.id in seeding]
+        m.memo["seed_calls"] = sorted({*direct, *via}, key=pos)
+    calls: list[ast.Call] = m.memo["seed_calls"]
+    return calls
+
+
+def _seeded_before(m: Module, node: ast.AST, depth: int = 0) -> bool:
+    """A seed is set on the way to ``node``: earlier in its scope, at module level, or before every caller."""
+    scope = m.scope_of(node)
+    seeds = _seed_calls(m)
+    if any(m.scope_of(c) is scope and pos(c) < pos(node) for c in seeds):
+        return True
+    if scope is m.tree:
+        return False
+    if any(m.scope_of(c) is m.tree for c in seeds):
+        return True  # module-level code runs at import, before any function is called
+    func = m.enclosing_function(node)
+    sites = m.call_sites(func) if func is not None and depth < 4 else []
+    if not sites:
+        return bool(seeds)  # called from elsewhere: trust a seed anywhere in the file
+    return all(_seeded_before(m, s, depth + 1) for s in sites)
+
+
+def _module_classes(m: Module) -> frozenset[str]:
+    """Classes of this file that subclass nn.Module (directly or through another class of the file)."""
+    found: set[str] = set()
+    classes = [n for n in m.nodes if isinstance(n, ast.ClassDef)]
+    changed = True
+    while changed:
+        changed = False
+        for cls in classes:
+            if cls.name in found:
+                continue
+            bases = [(dotted(b) or "").rpartition(".")[2] for b in cls.bases]
+            if any(b == "Module" or b in found for b in bases):
+                found.add(cls.name)
+                changed = True
+    return frozenset(found)
+
+
+def _builds_model(m: Module, call: ast.Call, classes: frozenset[str]) -> bool:
+    while isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Call):
+        call = call.func.value  # nn.Linear(4, 4).to(device).float(): the innermost call builds
+    full = m.callee(call)
+    if m.is_torch(call, *_RANDOM_LAYERS) or (isinstance(call.func, ast.Name) and call.func.id in classes):
+        return True
+    if full.startswith("torchvision.models."):
+        weights = kwarg(call, "weights") or kwarg(call, "pretrained")
+        return weights is None or is_const(weights, None) or is_const(weights, False)
+    return False
+
+
+def _wrapper_kind(m: Module, call: ast.Call, kind: str) -> str:
+    """``"broadcast"`` when the wrapper copies rank 0's parameters to every rank, ``"tp"`` for a TP plan
+    (rank 0's values are scattered into the planned layers only), else ``"shard"``."""
+    if kind == "tp":
+        return "tp"
+    if kind == "ddp":
+        return "broadcast"
+    if kind == "fsdp" and is_const(kwarg(call, "sync_module_states"), True):
+        return "broadcast"
+    strategy = kwarg(call, "strategy")
+    if kind == "paratrain" and isinstance(strategy, ast.Constant) and strategy.value in ("ddp", "dp"):
+        return "broadcast"
+    return "shard"
+
+
+def _wrappers(m: Module) -> list[tuple[ast.Call, str]]:
+    """Every call that wraps a model for several ranks, with its kind (``"broadcast"``...), in order."""
+    found: list[tuple[ast.Call, str]] = list(m.wrapper_calls())
+    found += [
+        (c, "paratrain") for c in m.calls if m.callee(c) in ("paratrain.setup", "paratrain.parallel.setup")
+    ]
+    found += [(c, "tp") for c in m.calls_to("parallelize_module", "distribute_module")]
+    return sorted(((c, _wrapper_kind(m, c, k)) for c, k in found), key=lambda w: pos(w[0]))
+
+
+def _models(m: Module) -> Iterator[tuple[str, ast.Assign | ast.AnnAssign, ast.Call | None, str]]:
+    """(name, the statement that builds it, the wrapper call or None, its kind) for each model seen."""
+    seen: set[ast.AST] = set()
+    wrappers = _wrappers(m)
+    for call, kind in wrappers:
+        arg = call.args[0] if call.args else kwarg(call, "module") or kwarg(call, "model")
+        name = dotted(arg)
+        if name is None:
+            continue
+        built = m.assigned_before(name, call)
+        # model = Net(); model = model.to(device); model = torch.compile(model): the first one builds it
+        while built and name in {dotted(n) for n in ast.walk(built[-1].value or ast.Pass())}:
+            built.pop()
+        if built and built[-1] not in seen and isinstance(built[-1].value, ast.Call):
+            seen.add(built[-1])
+            yield name, built[-1], call, kind
+    classes = _module_classes(m)
+    for n in m.nodes:
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and n not in seen:
+            scope = m.scope_of(n)
+            if isinstance(m.parents.get(scope), ast.ClassDef) or isinstance(scope, ast.ClassDef):
+                continue  # a layer defined inside a model class is part of that model's definition
+            names = [d for t in n.targets if (d := dotted(t))]
+            if names and _builds_model(m, n.value, classes):
+                # not traced to a wrapper: it may still reach one through a function or class of the file
+                broadcast = [w for w, k in wrappers if k == "broadcast"]
+                anywhere = broadcast[0] if broadcast else (wrappers[0][0] if wrappers else None)
+                yield names[0], n, anywhere, "maybe-broadcast" if broadcast else "maybe-shard"
+
+
+def _overwritten(m: Module, name: str, after: ast.AST) -> bool:
+    """The parameters are loaded or broadcast after being built: the initialization does not matter."""
+    for c in m.calls_to(*_LOADS, *_BROADCASTS):
+        if pos(c) <= pos(after):
+            continue
+        last = m.callee(c).rpartition(".")[2]
+        words = set(identifiers(c)) | {d for n in ast.walk(c) if (d := dotted(n))}
+        if last in _LOADS and name in words:
+            return True
+        if last in _BROADCASTS:
+            loops = m.enclosing_loops(c)
+            around = words | {
+                w for loop in loops if isinstance(loop, ast.For) for w in identifiers(loop.iter)
+            }
+            if around & {name, "parameters", "named_parameters", "state_dict", "buffers"}:
+                return True
+    return False
+
+
+@rule(
+    "unseeded-init",
+    "PTL008",
+    "error",
+    "a model built before any seed is set (warning when DDP's broadcast makes the replicas start equal)",
+    "call torch.manual_seed(SEED) with the same SEED on every rank before building the model",
+)
+def unseeded_init(m: Module) -> Iterator[Hit]:
+    """Seed 001, pitfall 8: different initialization per process.
+
+    Why: each rank draws its own random weights; replicas that start apart and average gradients train a
+    model that is none of them (divergence, irreproducible results). That is an error when nothing in the
+    file broadcasts or wraps the model (a hand-written gradient all-reduce, say). DDP broadcasts rank 0's
+    parameters and buffers when it is constructed (so does FSDP1 with ``sync_module_states=True``), so a
+    model wrapped in DDP starts equal anyway: a warning, since the other RNG streams (dropout masks, random
+    augmentation, parameters created later) still differ per rank. FSDP/``fully_shard``/TP keep each
+    rank's own shards (a mix of initializations; replicated parts differ): a warning too. Models whose
+    weights are loaded or explicitly broadcast after being built are not reported; neither are models in a
+    script that never starts a process group.
+    Fix: ``torch.manual_seed(seed)`` (same seed on all ranks) before the model is built.
+    """
+    if not m.is_distributed:
+        return
+    for name, stmt, wrapper, kind in _models(m):
+        value = stmt.value
+        assert isinstance(value, ast.Call)
+        if _PRETRAINED.search(m.callee(value)) or _overwritten(m, name, stmt) or _seeded_before(m, stmt):
+            continue
+        built = f"`{name}` is built before any seed is set"
+        if wrapper is None:
+            yield Hit(
+                value,
+                f"{built} and is never broadcast or wrapped (no DDP/FSDP in this file): every rank "
+                "starts from its own random weights and the replicas diverge",
+            )
+            continue
+        wrapper_name = m.callee(wrapper).rpartition(".")[2]
+        where = f"{wrapper_name} (line {wrapper.lineno})"
+        if kind.startswith("maybe-"):
+            where = f"if it is the model that reaches {where}, that"
+        if kind == "tp":
+            message = (
+                f"{built}; {where} scatters rank 0's values into the layers of its plan (src_data_rank=0), "
+                "but "
+                "parameters outside the plan keep each rank's own random initialization"
+            )
+        elif kind.endswith("broadcast"):
+            message = (
+                f"{built}; {where} broadcasts rank 0's parameters and buffers, so the replicas still start "
+                "equal, but other random state (dropout masks, augmentation, parameters created later) "
+                "differs per rank"
+            )
+        else:
+            message = (
+                f"{built}; {where} keeps each rank's own shards, so the model mixes per-rank "
+                "initializations, and anything replicated (HSDP replicas, parameters outside a TP plan) "
+                "differs across ranks"
+            )
+        yield Hit(value, message, severity="warning")
