@@ -1,0 +1,200 @@
+"""Planner checked against reality (issue 13): `paratrain plan` predictions vs measured `paratrain train` runs.
+
+For each (model, strategy) it runs ``paratrain train ... --steps 4 --json`` in a subprocess
+(OMP_NUM_THREADS=1) and reads ``model_state_bytes_per_rank`` (at rest, after the run) and
+``peak_bytes_per_rank`` (MemTracker during step 2) from the summary. The prediction comes from
+``paratrain.plan.cli.predict_run`` with the same flags plus ``--cluster cpu-local --precision fp32
+--optimizer adamw``. The parameter count of the planner's model is asserted equal to the run's.
+
+    python benchmarks/bench_plan.py [--quick] [--nproc 2] [--json benchmarks/results/plan_vs_measured.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from paratrain.plan import cli as plan_cli
+
+MODELS = {
+    "mlp": {"train": ["--model", "mlp"], "plan": ["--model", "mlp"]},
+    "llama-debug": {
+        "train": [
+            "--model",
+            "llama-debug",
+            "--data",
+            "python-stdlib",
+            "--set",
+            "data.max_bytes=200000",
+            "--seq-len",
+            "64",
+        ],
+        "plan": ["--model", "llama-debug", "--seq-len", "64"],
+    },
+}
+STRATEGIES = {  # name -> extra flags shared by train and plan (n = ranks)
+    "ddp": lambda n: ["--strategy", "ddp"],
+    "zero1": lambda n: ["--strategy", "zero1"],
+    "zero2": lambda n: ["--strategy", "zero2"],
+    "zero3": lambda n: ["--strategy", "zero3"],
+    "tp": lambda n: ["--strategy", "tp", "--tp", str(n)],
+    "pp": lambda n: ["--strategy", "pp", "--pp", str(n), "--microbatches", "4"],
+    "fsdp+tp": lambda n: ["--strategy", "fsdp+tp", "--tp", "2", "--dp-shard", str(n // 2)],
+}
+TRANSFORMER_ONLY = {"tp", "pp", "fsdp+tp"}
+
+
+def measure(model: str, strategy: str, nproc: int, steps: int, timeout: float) -> dict:
+    argv = [*MODELS[model]["train"], *STRATEGIES[strategy](nproc)]
+    with tempfile.TemporaryDirectory(prefix="bench_plan_") as run_dir:
+        cmd = [
+            sys.executable,
+            "-m",
+            "paratrain",
+            "train",
+            *argv,
+            "--nproc-per-node",
+            str(nproc),
+            "--steps",
+            str(steps),
+            "--json",
+            "--run-dir",
+            run_dir,
+            "--ckpt-every",
+            "0",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        wall = time.perf_counter() - t0
+    summary = None
+    for line in reversed(proc.stdout.strip().splitlines()):
+        try:
+            summary = json.loads(line)
+            break
+        except json.JSONDecodeError:
+            continue
+    if proc.returncode != 0 or summary is None:
+        return {"error": (proc.stderr or proc.stdout)[-1500:], "cmd": cmd, "wall_s": wall}
+    return {"summary": summary, "cmd": cmd, "wall_s": wall}
+
+
+def predict(model: str, strategy: str, nproc: int) -> tuple[dict, int]:
+    argv = [
+        *MODELS[model]["plan"],
+        *STRATEGIES[strategy](nproc),
+        "--nproc-per-node",
+        str(nproc),
+        "--cluster",
+        "cpu-local",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "adamw",
+    ]
+    plan = plan_cli.predict_run(argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    plan_cli.add_arguments(parser)
+    num_params = plan_cli.build(parser.parse_args(argv))["num_params"]
+    return {"argv": argv, "plan": plan}, int(num_params)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="mlp and llama-debug, ddp/zero1/zero2/zero3 only")
+    ap.add_argument("--nproc", type=int, nargs="+", default=[2])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--json", metavar="PATH", nargs="?", const="benchmarks/results/plan_vs_measured.json")
+    args = ap.parse_args()
+    strategies = ["ddp", "zero1", "zero2", "zero3"] if args.quick else args.strategies
+    rows = []
+    load0 = os.getloadavg()
+    for nproc in args.nproc:
+        for model in args.models:
+            for strategy in strategies:
+                if strategy in TRANSFORMER_ONLY and model == "mlp":
+                    continue
+                if strategy == "fsdp+tp" and nproc < 4:
+                    continue
+                row = {"model": model, "strategy": strategy, "nproc": nproc, "load_avg": os.getloadavg()}
+                try:
+                    pred, plan_params = predict(model, strategy, nproc)
+                except Exception as exc:  # report, do not hide
+                    row["error"] = f"plan: {exc}"
+                    rows.append(row)
+                    print(row, flush=True)
+                    continue
+                meas = measure(model, strategy, nproc, args.steps, args.timeout)
+                row.update({"predicted": pred, "measured": meas})
+                if "summary" in meas:
+                    s, p = meas["summary"], pred["plan"]
+                    assert s["num_params"] == plan_params, (model, s["num_params"], plan_params)
+                    assert s.get("global_batch_size") == p["global_batch_size"], (
+                        s.get("global_batch_size"),
+                        p["global_batch_size"],
+                    )
+                    row.update(
+                        {
+                            "num_params": plan_params,
+                            "state_pred": p["model_state_bytes_per_rank"],
+                            "state_meas": s["model_state_bytes_per_rank"],
+                            "peak_pred": p["bytes_per_rank"]["peak"],
+                            "peak_meas": s.get("peak_bytes_per_rank"),
+                            "pred_breakdown": p["bytes_per_rank"],
+                        }
+                    )
+                    row["state_ratio"] = row["state_pred"] / row["state_meas"]
+                    row["peak_ratio"] = row["peak_pred"] / row["peak_meas"] if row["peak_meas"] else None
+                    row["state_ok"] = abs(row["state_ratio"] - 1) <= 0.05
+                    row["peak_ok"] = row["peak_ratio"] is not None and abs(row["peak_ratio"] - 1) <= 0.15
+                else:
+                    row["error"] = "train: " + meas["error"]
+                rows.append(row)
+                print(
+                    f"{model:12s} {strategy:8s} n={nproc} state {row.get('state_pred')} / "
+                    f"{row.get('state_meas')} peak {row.get('peak_pred')} / {row.get('peak_meas')} "
+                    f"({meas.get('wall_s', 0):.0f}s) {row.get('error', '')[:300]}",
+                    flush=True,
+                )
+    print()
+    hdr = (
+        f"{'model':12s} {'strategy':8s} {'n':>2s} {'params':>8s} {'state pred':>11s} {'state meas':>11s}"
+        f" {'ratio':>6s} {'peak pred':>10s} {'peak meas':>10s} {'ratio':>6s}  targets (±5% / ±15%)"
+    )
+    print(hdr)
+    for r in rows:
+        if "state_pred" not in r:
+            print(f"{r['model']:12s} {r['strategy']:8s} {r['nproc']:>2d}  ERROR {r.get('error', '')[:120]}")
+            continue
+        pr = f"{r['peak_ratio']:.3f}" if r["peak_ratio"] else "n/a"
+        print(
+            f"{r['model']:12s} {r['strategy']:8s} {r['nproc']:>2d} {r['num_params']:>8d} {r['state_pred']:>11,d}"
+            f" {r['state_meas']:>11,d} {r['state_ratio']:>6.3f} {r['peak_pred']:>10,d}"
+            f" {r['peak_meas'] or 0:>10,d} {pr:>6s}  {'ok' if r['state_ok'] else 'MISS'} / "
+            f"{'ok' if r['peak_ok'] else 'MISS'}"
+        )
+    if args.json:
+        out = {
+            "benchmark": "plan_vs_measured",
+            "steps": args.steps,
+            "load_avg_start": load0,
+            "load_avg_end": os.getloadavg(),
+            "rows": rows,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

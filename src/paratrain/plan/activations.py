@@ -1,0 +1,150 @@
+"""Activation memory of a transformer layer, following Korthikanti et al. 2022, and of a pipeline stage.
+
+Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro, "Reducing Activation Recomputation in Large
+Transformer Models", MLSys 2023, https://arxiv.org/abs/2205.05198, section 4. Notation: s sequence length,
+b micro-batch (sequences), h hidden size, a heads, t tensor-parallel degree, f MLP hidden size, kv the
+width of K and V (n_kv_heads × head_dim), V vocabulary. Bytes, 16-bit activations:
+
+**GPT layer** (the paper's model; f = 4h), saved for backward:
+
+- attention: QKV input 2sbh, Q and K 4sbh, softmax output 2as²b, its dropout mask as²b, dropout output
+  2as²b, V 2sbh, output projection input 2sbh, output dropout mask sbh → 11sbh + 5as²b;
+- MLP: first linear input 2sbh, GeLU input 8sbh, GeLU output 8sbh, dropout mask sbh → 19sbh;
+- two LayerNorm inputs 4sbh. Total **sbh(34 + 5as/h)**.
+- TP t without sequence parallelism: the LayerNorm inputs, the QKV and MLP inputs (8sbh) and the two
+  dropout masks (2sbh) are replicated: **sbh(10 + 24/t + 5as/(ht))**. With SP everything is split:
+  **sbh(34/t + 5as/(ht))**.
+
+**Llama layer** (RMSNorm, GQA, RoPE, SwiGLU, no dropout, no biases), derived the same way:
+
+- attention: attention_norm input 2sbh and its output (the wq/wk/wv input) 2sbh; Q after RoPE 2sbh; K and
+  V 2·sb·kv each (4sbh·kv/h: GQA keeps K/V at n_kv_heads; with kv = h it is GPT's 4sbh); the wo input
+  2sbh; eager attention adds the softmax output 2as²b (no dropout: no mask, no dropout output).
+- MLP: ffn_norm input 2sbh and output (the w1/w3 input) 2sbh; w1's output (silu's input) 2sbf, silu's
+  output 2sbf and w3's output 2sbf (both saved by the product), the product (w2's input) 2sbf → 8sbf.
+- Total **sbh(12 + 4·kv/h + 8f/h + 2as/h)**. Against GPT's 34 + 5as/h: −2 (no dropout masks), −3as/h (no
+  attention dropout), −4(1 − kv/h) (GQA), and 8f/h (three MLP matrices, four f-wide tensors) instead of
+  GPT's 16 + 2 (GeLU input/output at f = 4h, plus the MLP dropout mask); Llama's f ≈ 8h/3 gives 21.3.
+  Llama 2 7B (kv = h, f = 11008): 37.5 + 2as/h.
+- TP without SP replicates the two norm inputs and the wq/wk/wv and w1/w3 inputs: **sbh(8 + (4 + 4kv/h +
+  8f/h + 2as/h)/t)**; with SP everything divides by t.
+- Not counted (small, or implementation detail): RMSNorm's fp32 rstd (4sb), FlashAttention's logsumexp
+  (4asb), int64 token ids. An unfused eager RMSNorm also keeps its normalised output (+2sbh per norm);
+  a ``repeat_kv`` that materialises K/V at n_heads before attention keeps 4sbh(1 − kv/h) more; an fp32
+  softmax keeps 4as²b more; torch's DTensor SP keeps the all-gathered wq/wk/wv and w1/w3 inputs
+  (Megatron re-gathers them in backward): +4sbh(1 − 1/t).
+
+**Attention kernels**: ``attention="sdpa"`` (FlashAttention / memory-efficient SDPA) recomputes the
+attention scores in backward, dropping the as²-term; ``"eager"`` keeps it.
+
+**fp32 activations** (paratrain on CPU) double the 2-byte terms; dropout masks stay 1 byte.
+
+**Full recomputation** (activation checkpointing of every layer): a layer keeps only its input, 2sbh
+(2sbh/t with SP), plus, once, the working set of the layer being recomputed (its full activations).
+
+**Embedding and logits**: GPT's embedding dropout mask sbh on the first stage; on the last stage the final
+norm's input 2sbh, the output projection's input 2sbh (both /t with SP), the logits s·b·V·2 and the fp32
+copy cross-entropy works on (its log-softmax output) s·b·V·4, both /t (vocabulary-parallel output and
+loss with TP).
+
+**Pipeline** (Narayanan et al. 2021, https://arxiv.org/abs/2104.04473): a stage holds the activations of
+its in-flight micro-batches: all m with GPipe, min(m, p − i) on stage i with 1F1B.
+"""
+
+from __future__ import annotations
+
+from paratrain.errors import ConfigError
+from paratrain.plan.model import ActivationProfile, TransformerShape
+
+ATTENTION = ("sdpa", "eager")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def gpt_layer(s: int, b: float, h: int, a: int, t: int = 1, sp: bool = False, attention: str = "eager",
+              act_bytes: int = 2, f: int | None = None) -> float:  # fmt: skip
+    """Korthikanti's bytes per GPT layer (see the module docstring)."""
+    f = 4 * h if f is None else f
+    w = act_bytes / 2
+    replicated = 8 * w + 2  # LN inputs 4 + QKV input 2 + MLP input 2 (16-bit), two 1-byte dropout masks
+    sharded = (4 + 2 + 2 + 4 * f / h) * w  # Q,K 4 + V 2 + proj input 2 + GeLU in/out 4f/h
+    scores = (4 * w + 1) * a * s / h if attention == "eager" else 0.0  # softmax 2, mask 1, dropout out 2
+    if sp:
+        return s * b * h * (replicated + sharded + scores) / t
+    return s * b * h * (replicated + (sharded + scores) / t)
+
+
+def llama_layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False,
+                attention: str = "sdpa", act_bytes: int = 2) -> float:  # fmt: skip
+    """Bytes per Llama layer (see the module docstring)."""
+    h, w = shape.dim, act_bytes / 2
+    replicated = 8 * w  # two norm inputs, wq/wk/wv input, w1/w3 input
+    sharded = (4 + 4 * shape.kv_dim / h + 8 * shape.ffn_hidden / h) * w  # Q + wo input, K+V, SwiGLU
+    scores = 2 * w * shape.n_heads * s / h if attention == "eager" else 0.0
+    if sp:
+        return s * b * h * (replicated + sharded + scores) / t
+    return s * b * h * (replicated + (sharded + scores) / t)
+
+
+def layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False, attention: str = "sdpa",
+          act_bytes: int = 2) -> float:  # fmt: skip
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention {attention!r}: choose one of {', '.join(ATTENTION)}.")
+    if shape.arch == "gpt":
+        return gpt_layer(s, b, shape.dim, shape.n_heads, t, sp, attention, act_bytes, shape.ffn_hidden)
+    return llama_layer(shape, s, b, t, sp, attention, act_bytes)
+
+
+def layer_input(
+    shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False, act_bytes: int = 2
+) -> float:
+    """What full recomputation keeps per layer: its input, 2sbh (÷ t with sequence parallelism)."""
+    return s * b * shape.dim * act_bytes / (t if sp else 1)
+
+
+def first_extra(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False) -> float:
+    """Embedding: GPT's dropout mask (1 byte), none for Llama (the embedding output is layer 0's input)."""
+    return s * b * shape.dim / (t if sp else 1) if shape.arch == "gpt" else 0.0
+
+
+def last_extra(
+    shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False, act_bytes: int = 2
+) -> float:
+    """Final norm input + output projection input, the logits and cross-entropy's fp32 copy."""
+    hidden = 2 * s * b * shape.dim * act_bytes / (t if sp else 1)
+    logits = s * b * shape.vocab_size * (act_bytes + 4) / t
+    return hidden + logits
+
+
+def in_flight(schedule: str, m: int, p: int, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    return m if schedule == "gpipe" or p == 1 else min(m, p - stage)
+
+
+def split_layers(n_layers: int, pp: int) -> list[int]:
+    """Layers per stage: even, the remainder going to the *last* stages (the first stage holds the most
+    in-flight micro-batches under 1F1B, and the embedding)."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+
+
+def stage(
+    shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
+    sp: bool = False, attention: str = "sdpa", act_bytes: int = 2, recompute: bool = False, micro: int = 1,
+) -> float:  # fmt: skip
+    """Activation bytes of one pipeline stage holding ``micro`` in-flight micro-batches of b sequences."""
+    full = layer(shape, s, b, t, sp, attention, act_bytes)
+    kept = layer_input(shape, s, b, t, sp, act_bytes) if recompute else full
+    per_micro = layers * kept
+    per_micro += first_extra(shape, s, b, t, sp) if first else 0.0
+    per_micro += last_extra(shape, s, b, t, sp, act_bytes) if last else 0.0
+    return micro * per_micro + (full if recompute and layers else 0.0)
+
+
+def module(profile: ActivationProfile, b: float, act_bytes: int = 4, recompute: bool = False) -> float:
+    """Activation bytes of a traced model (fp32 trace; 16-bit activations halve it) for a batch of ``b``."""
+    per_sample = profile.saved
+    if recompute and profile.blocks_saved:
+        per_sample += sum(profile.blocks_input) - sum(profile.blocks_saved) + max(profile.blocks_saved)
+    return b * per_sample * act_bytes / 4

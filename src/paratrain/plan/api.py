@@ -1,0 +1,262 @@
+"""``plan()``: bytes per rank, communication and step time of a model × layout × batch × cluster.
+
+Pure computation: no process group, no GPU. The result is the JSON of ``paratrain plan --json``::
+
+    {"model": ..., "num_params": ..., "cluster": {...},
+     "plans": [{"strategy": "zero2", "layout": {"dp_replicate", "dp_shard", "tp", "pp"},
+                "bytes_per_rank": {"params", "grads", "optimizer", "activations", "buffers", "peak"},
+                "model_state_bytes_per_rank": .., "fits": true,
+                "comm_bytes_per_rank_per_step": {"<axis>.<collective>": .., "total": ..},
+                "step_time_s": .., "mfu": .., ...}, ...]}
+
+Each plan also carries ``activation_checkpointing``, the batch it assumed (``global_batch_size``,
+``micro_batch_size``, ``microbatches``, ``grad_accum``, ``seq_len``), ``time_s`` (compute, bubble,
+exposed and total communication), ``stage`` (the pipeline stage the bytes are for: the one with the
+highest peak) and ``reason`` (filled in by :func:`paratrain.plan.recommend.recommend`).
+``model_state_bytes_per_rank`` is what ``paratrain train --json`` measures under the same name: parameters
++ gradients + optimizer state held at rest, wherever they live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from paratrain.errors import ConfigError
+from paratrain.plan import activations as act
+from paratrain.plan import layout as lay
+from paratrain.plan import memory as mem
+from paratrain.plan.cluster import Cluster
+from paratrain.plan.comm import link_for, step_ops
+from paratrain.plan.layout import Layout
+from paratrain.plan.model import ModelSpec, ParamGroup
+from paratrain.plan.time import model_flops_per_sample, stage_flops_per_sample, step_time
+
+DEFAULT_BATCH = 64
+"""``paratrain train``'s default global batch; the planner rounds it up to a multiple of the GPUs."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The batch and training settings (the flags ``paratrain train`` takes)."""
+
+    batch_size: int | None = None
+    """Global samples (sequences) per optimizer step; None: the smallest multiple of the GPUs >= 64."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: the model's max_seq_len (1 for models that are not transformers)."""
+    grad_accum: int = 1
+    microbatches: int | None = None
+    """Pipeline micro-batches per accumulation step; None: one sample each (the smallest bubble)."""
+    activation_checkpointing: bool = False
+    optimizer: str = "adamw"
+    momentum: float = 0.9
+    precision: str = "fp32"
+    offload: bool = False
+    attention: str = "sdpa"
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+
+    def __post_init__(self) -> None:
+        mem.dtypes(self.precision, self.optimizer, self.momentum)  # validates both
+        if self.attention not in act.ATTENTION:
+            raise ConfigError(f"attention {self.attention!r}: choose one of {', '.join(act.ATTENTION)}.")
+        if self.pp_schedule not in act.SCHEDULES:
+            raise ConfigError(
+                f"--pp-schedule {self.pp_schedule!r}: choose one of {', '.join(act.SCHEDULES)}."
+            )
+        for name in ("batch_size", "seq_len", "microbatches"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {v}.")
+        if self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be at least 1, got {self.grad_accum}.")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    global_batch: int
+    seq_len: int
+    accum: int
+    micro: int  # pipeline micro-batches per accumulation step
+    size: int  # samples per micro-batch on one rank
+
+
+def _batch(spec: ModelSpec, layout: Layout, w: Workload, gpus: int) -> _Batch:
+    b = w.batch_size or gpus * -(-DEFAULT_BATCH // gpus)
+    seq = w.seq_len or (spec.shape.max_seq_len if spec.shape else 1)
+    per_rank, left = divmod(b, layout.dp * w.grad_accum)
+    if left or not per_rank:
+        raise ConfigError(
+            f"global batch {b} does not split into {layout.dp} data-parallel ranks x {w.grad_accum} accumulation "
+            f"steps; choose --batch-size a multiple of {layout.dp * w.grad_accum}."
+        )
+    m = 1 if layout.pp == 1 else (w.microbatches or per_rank)
+    size, left = divmod(per_rank, m)
+    if left or not size:
+        raise ConfigError(
+            f"{per_rank} samples per rank and micro-step do not split into {m} pipeline micro-batches; choose "
+            f"--microbatches a divisor of {per_rank}."
+        )
+    return _Batch(b, seq, w.grad_accum, m, size)
+
+
+def stages(spec: ModelSpec, pp: int) -> list[tuple[int, list[ParamGroup], bool, bool]]:
+    """(stage index, layer groups, holds the embedding, holds the head) of the stages worth evaluating: the
+    first, the last and the first one with the most layers (the others are never worse than these)."""
+    if pp == 1:
+        return [(0, list(spec.layers), True, True)]
+    counts = act.split_layers(len(spec.layers), pp)
+    starts = [sum(counts[:i]) for i in range(pp)]
+    pick = sorted({0, pp - 1, counts.index(max(counts))})
+    return [(i, list(spec.layers[starts[i] : starts[i] + counts[i]]), i == 0, i == pp - 1) for i in pick]
+
+
+def evaluate(
+    spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
+) -> dict[str, Any]:
+    """One plan (the JSON contract's ``plans`` item) for a validated layout."""
+    batch = _batch(spec, layout, w, cluster.gpus)
+    d = mem.dtypes(w.precision, w.optimizer, w.momentum)
+    t, n, recompute = layout.tp, layout.dp_shard, w.activation_checkpointing
+    sp = w.sequence_parallel and t > 1
+    rate = cluster.gpu_flops * cluster.efficiency
+    samples = batch.global_batch / layout.dp
+    best: dict[str, Any] | None = None
+    slowest: tuple[float, dict[str, Any]] | None = None
+    for i, groups, first, last in stages(spec, layout.pp):
+        root = (spec.first if first else ParamGroup()) + (spec.last if last else ParamGroup())
+        psi = sum(g.per_rank(t) for g in groups) + root.per_rank(t)
+        states = mem.model_states(psi, n, sharding, d)
+        unit = max([g.per_rank(t) for g in groups] + [root.per_rank(t)])
+        hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
+        if spec.states_only:
+            activations = buffers = 0.0
+        else:
+            buffers = mem.buffers(
+                psi, n, layout.dp, sharding, d, unit, w.precision, w.gradient_as_bucket_view
+            )
+            if spec.shape is not None:
+                micro = act.in_flight(w.pp_schedule, batch.micro, layout.pp, i)
+                activations = act.stage(
+                    spec.shape, layers=len(groups), first=first, last=last, s=batch.seq_len, b=batch.size, t=t,
+                    sp=sp, attention=w.attention, act_bytes=d.activation, recompute=recompute, micro=micro,
+                )  # fmt: skip
+            elif spec.profile is not None:
+                activations = act.module(spec.profile, batch.size, d.activation, recompute)
+            else:
+                activations = 0.0
+        on_device = 0.0 if w.offload else states.total
+        peak = on_device + activations + buffers
+        ops = step_ops(
+            layout=layout, sharding=sharding, psi=psi, grad_bytes=d.compute if sharding == "full" else d.grad,
+            param_bytes=d.param, compute_bytes=d.compute, units=len(groups) + 1,
+            bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=len(groups),
+            passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=recompute, first=first, last=last,
+        )  # fmt: skip
+        flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, recompute) * samples / t
+        st = step_time(flops / rate, recompute, [(op, link_for(layout, op.axis, cluster)) for op in ops],
+                       micro=batch.micro, accum=batch.accum, pp=layout.pp)  # fmt: skip
+        comm: dict[str, int] = {}
+        for op in ops:
+            comm[op.key] = comm.get(op.key, 0) + round(op.sent)
+        comm["total"] = sum(comm.values())
+        row = {
+            "stage": i,
+            "bytes_per_rank": {
+                "params": round(states.params), "grads": round(states.grads),
+                "optimizer": round(states.optimizer), "activations": round(activations),
+                "buffers": round(buffers), "peak": round(peak),
+            },
+            "model_state_bytes_per_rank": round(states.total),
+            "fits": peak <= cluster.gpu_mem_bytes,
+        }  # fmt: skip
+        if best is None or peak > best["bytes_per_rank"]["peak"]:
+            best = row
+        if slowest is None or st.total > slowest[0]:
+            slowest = (st.total, {"comm_bytes_per_rank_per_step": comm, "time_s": st.to_dict()})
+    assert best is not None and slowest is not None
+    step = slowest[0]
+    useful = model_flops_per_sample(spec, batch.seq_len) * batch.global_batch
+    return {
+        "strategy": strategy,
+        "layout": layout.to_dict(),
+        "activation_checkpointing": recompute,
+        "bytes_per_rank": best["bytes_per_rank"],
+        "model_state_bytes_per_rank": best["model_state_bytes_per_rank"],
+        "fits": best["fits"],
+        "comm_bytes_per_rank_per_step": slowest[1]["comm_bytes_per_rank_per_step"],
+        "step_time_s": step,
+        "mfu": useful / (step * cluster.gpus * cluster.gpu_flops) if step > 0 else None,
+        "time_s": slowest[1]["time_s"],
+        "stage": best["stage"],
+        "global_batch_size": batch.global_batch,
+        "micro_batch_size": batch.size,
+        "microbatches": batch.micro,
+        "grad_accum": batch.accum,
+        "seq_len": batch.seq_len,
+        "reason": "",
+    }
+
+
+def header(spec: ModelSpec, cluster: Cluster, w: Workload) -> dict[str, Any]:
+    return {"model": spec.name, "num_params": spec.num_params, "cluster": cluster.to_dict(),
+            "precision": w.precision, "optimizer": w.optimizer}  # fmt: skip
+
+
+def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout]]:
+    """ddp, zero1, zero2, zero3 and, for a transformer, the valid tp / pp / tp×pp layouts (pp up to 8)."""
+    g = cluster.gpus
+    out = [(name, lay.STRATEGIES[name].sharding, Layout(dp_replicate=g) if name == "ddp" else Layout(dp_shard=g))
+           for name in lay.DATA_PARALLEL]  # fmt: skip
+    sh = spec.shape
+    if sh is None:
+        return out
+    tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if t > 1 and g % t == 0]
+    pps = [p for p in (2, 4, 8) if g % p == 0 and p <= sh.n_layers]
+    pairs = [(t, 1) for t in tps] + [(1, p) for p in pps]
+    pairs += [(tps[-1], p) for p in pps if tps and g % (tps[-1] * p) == 0]
+    for t, p in pairs:
+        layout = Layout(dp_shard=g // (t * p), tp=t, pp=p)
+        name = lay.name_for(layout)
+        out.append((name, lay.STRATEGIES[name].sharding if layout.dp == 1 else "full", layout))
+    return out
+
+
+def plan(
+    spec: ModelSpec,
+    cluster: Cluster,
+    workload: Workload | None = None,
+    strategy: str | None = None,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    dp_shard: int | None = None,
+    dp_replicate: int | None = None,
+) -> dict[str, Any]:
+    """The plan of one strategy / layout (``strategy`` or any degree given), else of :func:`default_layouts`.
+
+    Raises :class:`ConfigError` for degrees that do not multiply to ``cluster.gpus``, a tp that does not
+    divide the heads, a batch that does not split, an unknown strategy.
+    """
+    w = workload or Workload()
+    if w.offload and strategy is not None and lay.canonical(strategy).sharding != "full":
+        raise ConfigError(f"--offload needs an FSDP strategy (zero3, hsdp, fsdp+...), not {strategy!r}.")
+    if strategy is not None or any(v is not None for v in (tp, pp, dp_shard, dp_replicate)):
+        chosen = [lay.resolve(strategy, cluster.gpus, shape=spec.shape, gpus_per_node=cluster.gpus_per_node, tp=tp,
+                              pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate, model=spec.name)]  # fmt: skip
+    else:
+        chosen = default_layouts(spec, cluster)
+        if w.offload:
+            chosen = [c for c in chosen if c[1] == "full"]
+    out = header(spec, cluster, w)
+    out["plans"] = [evaluate(spec, name, sharding, layout, w, cluster) for name, sharding, layout in chosen]
+    return out
+
+
+def with_defaults(w: Workload, cluster: Cluster, precision: str | None) -> Workload:
+    """``precision`` None: fp32 on ``cpu-local`` (what paratrain runs on CPU), bf16 on a GPU cluster."""
+    if precision is None:
+        precision = "fp32" if cluster.name.startswith("cpu-local") else "bf16"
+    return replace(w, precision=precision)

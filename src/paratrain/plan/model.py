@@ -1,0 +1,237 @@
+"""What the planner knows about a model: its parameters by place, and its transformer shape if it has one.
+
+Three ways in:
+
+- a bare parameter count (``--params 7.5e9``): model states only, no activations, no TP/PP;
+- a :class:`TransformerShape` (dim, n_layers, n_heads, n_kv_heads, ffn_hidden, vocab_size, max_seq_len: the
+  field names of ``models.llama.LlamaConfig``), from which parameters are counted analytically;
+- an ``nn.Module`` built on the meta device: parameters are counted exactly, by name. Each one is placed for
+  pipeline parallelism (a block of ``model.blocks`` / ``model.layers``; an embedding — a name containing
+  ``embed``, ``wte`` or ``wpe`` — on the first stage; everything else, final norm and output head, on the
+  last) and for tensor parallelism (matrices, ndim ≥ 2 — attention and MLP weights, embedding, output — are
+  split over tp; vectors — norms, biases — are replicated on every tp rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from paratrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters held in one place: ``sharded`` elements split over tp, ``replicated`` kept whole."""
+
+    sharded: int = 0
+    replicated: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+    def per_rank(self, tp: int) -> float:
+        return self.sharded / tp + self.replicated
+
+    def __add__(self, other: ParamGroup) -> ParamGroup:
+        return ParamGroup(self.sharded + other.sharded, self.replicated + other.replicated)
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A decoder's shape. ``arch="llama"``: RMSNorm, SwiGLU MLP of ``ffn_hidden``, GQA, RoPE, no biases, no
+    dropout. ``arch="gpt"``: LayerNorm, GeLU MLP of ``ffn_hidden`` (4·dim), biases, dropout, learned positions,
+    tied output (GPT-3; Korthikanti et al.'s reference model)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    max_seq_len: int
+    arch: str = "llama"
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"model shape: {f} must be a positive integer, got {v!r}.")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model shape: dim {self.dim} must divide by n_heads {self.n_heads}, and n_heads by n_kv_heads "
+                f"{self.n_kv_heads}."
+            )
+        if self.arch not in ("llama", "gpt"):
+            raise ConfigError(f"model shape: arch must be 'llama' or 'gpt', got {self.arch!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer(self) -> ParamGroup:
+        h, kv, f = self.dim, self.kv_dim, self.ffn_hidden
+        if self.arch == "gpt":  # qkv (+bias), proj (+bias), fc1 (+bias), fc2 (+bias), 2 LayerNorms (w, b)
+            return ParamGroup(sharded=3 * h * h + h * h + 2 * h * f + 3 * h + f, replicated=h + h + 4 * h)
+        return ParamGroup(
+            sharded=2 * h * h + 2 * h * kv + 3 * h * f, replicated=2 * h
+        )  # wq wo wk wv w1 w2 w3
+
+    def embedding(self) -> ParamGroup:
+        pos = self.max_seq_len * self.dim if self.arch == "gpt" else 0
+        return ParamGroup(sharded=self.vocab_size * self.dim + pos)
+
+    def head(self) -> ParamGroup:
+        norm = 2 * self.dim if self.arch == "gpt" else self.dim
+        out = 0 if self.tied_embeddings or self.arch == "gpt" else self.vocab_size * self.dim
+        return ParamGroup(sharded=out, replicated=norm)
+
+    def num_params(self) -> int:
+        return self.embedding().total + self.n_layers * self.layer().total + self.head().total
+
+
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len")
+
+
+def shape_from_config(config: Any, arch: str = "llama") -> TransformerShape | None:
+    """A :class:`TransformerShape` from any object with ``dim``, ``n_layers``, ``n_heads``, ``vocab_size`` and
+    ``max_seq_len`` (``n_kv_heads`` defaults to ``n_heads``; ``ffn_hidden``, when absent or None, to Meta's
+    rule: 8·dim/3 × ``ffn_dim_multiplier``, rounded up to ``multiple_of``), else ``None``."""
+    if config is None or not all(hasattr(config, f) for f in ("dim", "n_layers", "n_heads")):
+        return None
+    values: dict[str, Any] = {f: getattr(config, f, None) for f in SHAPE_FIELDS}
+    if values["n_kv_heads"] is None:
+        values["n_kv_heads"] = values["n_heads"]
+    if values["ffn_hidden"] is None and isinstance(values["dim"], int):  # Meta's rule (llama/model.py)
+        hidden = int(2 * 4 * values["dim"] / 3 * (getattr(config, "ffn_dim_multiplier", None) or 1.0))
+        multiple = int(getattr(config, "multiple_of", 256) or 256)
+        values["ffn_hidden"] = multiple * -(-hidden // multiple)
+    missing = [f for f, v in values.items() if v is None]
+    if missing:
+        raise ConfigError(
+            f"model config {type(config).__name__} lacks {', '.join(missing)} to plan a transformer."
+        )
+    tied = bool(getattr(config, "tie_embeddings", getattr(config, "tied_embeddings", False)))
+    return TransformerShape(**values, arch=str(getattr(config, "arch", arch)), tied_embeddings=tied)
+
+
+# Public shapes (Touvron et al. 2023, Llama 2 paper table 1 / Meta's params.json; Llama 3 model card; GPT-3:
+# Brown et al. 2020 table 2.1). Used when models.llama is not importable; its PRESETS win when it is.
+FALLBACK_SHAPES: dict[str, TransformerShape] = {
+    "llama2-7b": TransformerShape(4096, 32, 32, 32, 11008, 32000, 4096),
+    "llama2-13b": TransformerShape(5120, 40, 40, 40, 13824, 32000, 4096),
+    "llama2-70b": TransformerShape(8192, 80, 64, 8, 28672, 32000, 4096),
+    "llama3-8b": TransformerShape(4096, 32, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": TransformerShape(8192, 80, 64, 8, 28672, 128256, 8192),
+    "gpt3-175b": TransformerShape(12288, 96, 96, 96, 4 * 12288, 50257, 2048, arch="gpt"),
+}
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one sample costs a model that is not a transformer, measured by a meta-device trace (fp32)."""
+
+    saved: float
+    """Bytes saved for backward per sample, the input and logits included."""
+    blocks_saved: tuple[float, ...]
+    """Of which, per sample, inside each block of ``model.blocks``."""
+    blocks_input: tuple[float, ...]
+    """Per sample, each block's input (what activation checkpointing keeps instead)."""
+    flops: float
+    """Forward + backward FLOPs per sample (``torch.utils.flop_counter``)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The planner's description of a model."""
+
+    name: str
+    num_params: int
+    shape: TransformerShape | None = None
+    first: ParamGroup = field(default_factory=ParamGroup)
+    """Parameters of the first pipeline stage only (embeddings)."""
+    layers: tuple[ParamGroup, ...] = ()
+    """One group per block / transformer layer, in order: the units of FSDP and of pipeline splits."""
+    last: ParamGroup = field(default_factory=ParamGroup)
+    """Parameters of the last stage (final norm, output head), and of models without blocks."""
+    profile: ActivationProfile | None = None
+    states_only: bool = False
+    """A bare parameter count: model states only (no activations, buffers or TP/PP)."""
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters used in matmuls (for 6·N): all but the input embedding lookup, unless it is tied."""
+        if self.shape is None:
+            return self.num_params
+        if self.shape.arch == "gpt":  # tied output: only the learned positions are a pure lookup
+            return self.num_params - self.shape.max_seq_len * self.shape.dim
+        return self.num_params if self.shape.tied_embeddings else self.num_params - self.first.total
+
+
+def spec_from_params(num_params: float, name: str | None = None) -> ModelSpec:
+    n = int(num_params)
+    if n < 1:
+        raise ConfigError(f"--params must be a positive parameter count, got {num_params!r}.")
+    return ModelSpec(
+        name=name or f"{n:.3g} parameters", num_params=n, last=ParamGroup(replicated=n), states_only=True
+    )
+
+
+def spec_from_shape(shape: TransformerShape, name: str) -> ModelSpec:
+    return ModelSpec(
+        name=name, num_params=shape.num_params(), shape=shape, first=shape.embedding(),
+        layers=(shape.layer(),) * shape.n_layers, last=shape.head(),
+    )  # fmt: skip
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    from torch import nn
+
+    for attr in ("blocks", "layers"):
+        blocks = getattr(module, attr, None)
+        if isinstance(blocks, nn.ModuleList | nn.ModuleDict):
+            return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    return []
+
+
+def spec_from_module(
+    module: nn.Module,
+    name: str,
+    shape: TransformerShape | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> ModelSpec:
+    """Exact parameter counts by name; a non-transformer on the meta device with ``input_shape`` is traced."""
+    blocks = _blocks(module)
+    where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    per_block = [ParamGroup() for _ in blocks]
+    first, last, total = ParamGroup(), ParamGroup(), 0
+    for pname, p in module.named_parameters():
+        n = p.numel()
+        total += n
+        g = ParamGroup(sharded=n) if p.dim() >= 2 else ParamGroup(replicated=n)
+        if id(p) in where:
+            per_block[where[id(p)]] += g
+        elif any(k in pname.lower() for k in ("embed", "wte", "wpe")):
+            first += g
+        else:
+            last += g
+    profile = None
+    if (
+        shape is None
+        and input_shape is not None
+        and all(p.device.type == "meta" for p in module.parameters())
+    ):
+        from paratrain.plan.trace import profile_module
+
+        profile = profile_module(module, blocks, input_shape)
+    return ModelSpec(name=name, num_params=total, shape=shape, first=first, layers=tuple(per_block), last=last,
+                     profile=profile)  # fmt: skip

@@ -1,0 +1,130 @@
+"""Text tables and plots of a plan / recommendation / sweep result (the dicts of :mod:`paratrain.plan.api`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
+TIMES = ("compute", "bubble", "exposed_comm")
+
+
+def _gb(x: float, scale: float = 1e9) -> str:
+    return f"{x / scale:,.2f}" if x < 10 * scale else f"{x / scale:,.0f}"
+
+
+def _unit(plans: list[dict[str, Any]]) -> tuple[float, str]:
+    """GB (1e9) for GPU-sized models, MB (1e6) or KB (1e3) for small ones."""
+    top = max((p["bytes_per_rank"]["peak"] for p in plans), default=0)
+    return next(((s, u) for s, u in ((1e9, "GB"), (1e6, "MB")) if top >= s), (1e3, "KB"))
+
+
+def _layout(p: dict[str, Any]) -> str:
+    lay = p["layout"]
+    return f"{lay['dp_replicate']}x{lay['dp_shard']}x{lay['tp']}x{lay['pp']}"
+
+
+def _title(result: dict[str, Any]) -> str:
+    c = result["cluster"]
+    nodes = max(1, -(-c["gpus"] // c["gpus_per_node"]))
+    return (
+        f"paratrain plan: {result['model']} ({result['num_params']:,} parameters) on {c['gpus']} GPUs "
+        f"({nodes} node{'s' if nodes > 1 else ''} of {c['gpus_per_node']}; {c['name']}: {_gb(c['gpu_mem_bytes'])} GB, "
+        f"{c['gpu_flops'] / 1e12:,.4g} TFLOP/s x {c['efficiency']:g}); {result['precision']}, {result['optimizer']}"
+    )
+
+
+def format_plans(result: dict[str, Any]) -> str:
+    """One row per plan: bytes per rank by component (GB = 1e9), fits, comm per step, step time, MFU."""
+    lines = [_title(result)]
+    plans = result["plans"]
+    scale, unit = _unit(plans)
+    if plans:
+        p0 = plans[0]
+        lines.append(f"global batch {p0['global_batch_size']} x {p0['seq_len']} tokens; layout = dp_replicate x "
+                     f"dp_shard x tp x pp; bytes per rank in {unit} ({scale:.0e}); comm = bytes sent per rank per step")  # fmt: skip
+    head = (f"{'strategy':<11} {'layout':<12} {'AC':<3} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+            f"{'buffers':>8} {'peak':>8} {'fits':<4} {'comm ' + unit:>8} {'step s':>9} {'MFU':>5}")  # fmt: skip
+    lines += ["", head]
+    for p in plans:
+        b = p["bytes_per_rank"]
+        mfu = f"{100 * p['mfu']:4.0f}%" if p.get("mfu") is not None else "    -"
+        lines.append(
+            f"{p['strategy']:<11} {_layout(p):<12} {'yes' if p['activation_checkpointing'] else 'no':<3} "
+            + " ".join(f"{_gb(b[k], scale):>8}" for k in (*COMPONENTS, "peak"))
+            + f" {'yes' if p['fits'] else 'NO':<4} {_gb(p['comm_bytes_per_rank_per_step']['total'], scale):>8} "
+            f"{p['step_time_s']:9.4g} {mfu}"
+        )
+    if "rejected" in result:
+        lines += ["", f"evaluated {result['evaluated']} layouts, {result['fitting']} fit. Chosen:"]
+        lines += [f"  {p['reason']}" for p in plans] or ["  none fits: see below"]
+        lines += ["Rejected:"] + [f"  {r['reason']}" for r in result["rejected"]]
+    return "\n".join(lines)
+
+
+def format_sweep(result: dict[str, Any]) -> str:
+    lines = [
+        _title(result),
+        "",
+        f"{'GPUs':>6}  {'best layout':<34} {'step s':>9} {'tokens/s':>12} {'MFU':>5} {'scaling':>8}",
+    ]
+    for row in result["sweep"]:
+        p = row["plan"]
+        if p is None:
+            lines.append(f"{row['gpus']:>6}  {'nothing fits':<34}")
+            continue
+        label = f"{p['strategy']} {_layout(p)}{' AC' if p['activation_checkpointing'] else ''}"
+        lines.append(f"{row['gpus']:>6}  {label:<34} {row['step_time_s']:9.4g} {row['tokens_per_s']:12.4g} "
+                     f"{100 * (row['mfu'] or 0):4.0f}% {100 * row['scaling_efficiency']:7.0f}%")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Plans: stacked bars of bytes per rank by component (the GPU's memory as a line) and of the step time
+    (compute, bubble, exposed communication). Sweep: step time and scaling efficiency against GPUs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    if "sweep" in result:
+        rows = [r for r in result["sweep"] if r["plan"] is not None]
+        xs = [r["gpus"] for r in rows]
+        left.plot(xs, [r["step_time_s"] for r in rows], marker="o")
+        left.set(
+            xscale="log",
+            xlabel="GPUs",
+            ylabel="step time (s)",
+            title=f"{result['model']}: best layout per GPU count",
+        )
+        right.plot(xs, [100 * r["scaling_efficiency"] for r in rows], marker="o", label="scaling efficiency")
+        right.plot(xs, [100 * (r["mfu"] or 0) for r in rows], marker="s", label="MFU")
+        right.set(xscale="log", xlabel="GPUs", ylabel="%", title="efficiency")
+        right.legend()
+    else:
+        plans = result["plans"]
+        labels = [
+            f"{p['strategy']}\n{_layout(p)}{' AC' if p['activation_checkpointing'] else ''}" for p in plans
+        ]
+        xs = list(range(len(plans)))
+        bottom = [0.0] * len(plans)
+        for k in COMPONENTS:
+            vals = [p["bytes_per_rank"][k] / 1e9 for p in plans]
+            left.bar(xs, vals, bottom=bottom, label=k)
+            bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
+        left.axhline(result["cluster"]["gpu_mem_bytes"] / 1e9, color="k", linestyle="--", label="GPU memory")
+        left.set(ylabel="GB per rank (1e9)", title=f"{result['model']}: memory per rank")
+        bottom = [0.0] * len(plans)
+        for k in TIMES:
+            vals = [p["time_s"][k] for p in plans]
+            right.bar(xs, vals, bottom=bottom, label=k.replace("_", " "))
+            bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
+        right.set(ylabel="seconds per step", title="step time")
+        for ax in (left, right):
+            ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=8)
+            ax.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

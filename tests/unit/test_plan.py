@@ -1,0 +1,385 @@
+"""The planner (paratrain.plan): pure computation, checked against papers' numbers and hand arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.plan import Workload, plan, preset, spec_from_params, spec_from_shape
+from paratrain.plan import activations as act
+from paratrain.plan import cluster as cl
+from paratrain.plan import memory as mem
+from paratrain.plan.cli import add_arguments, parse_gpu_range, run
+from paratrain.plan.comm import CommOp, Link, link_for, op_time
+from paratrain.plan.layout import Layout
+from paratrain.plan.model import FALLBACK_SHAPES, TransformerShape, spec_from_module
+from paratrain.plan.recommend import recommend
+
+REPO = Path(__file__).resolve().parents[2]
+GB = 1e9
+
+
+def h100(gpus: int) -> cl.Cluster:
+    return replace(preset("h100-nvlink-ib"), gpus=gpus)
+
+
+def by_strategy(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {p["strategy"]: p for p in result["plans"]}
+
+
+def cli(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+# ---- model states: the ZeRO paper ----------------------------------------------------------------------------
+def test_zero_paper_example() -> None:
+    """Rajbhandari et al. 2020, figure 1: Ψ = 7.5B, N = 64, K = 12 → 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
+    psi, n = 7.5e9, 64
+    got = [round(mem.zero_states(psi, n, stage) / GB, 1) for stage in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+    # the same through plan(): a bare parameter count, fp16 mixed-precision Adam
+    result = plan(spec_from_params(psi), h100(64), Workload(precision="fp16-mixed"))
+    states = {s: round(p["model_state_bytes_per_rank"] / GB, 1) for s, p in by_strategy(result).items()}
+    assert states == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+
+
+def test_fp32_states_as_paratrain_runs_them() -> None:
+    psi, n = 1_000_000, 4
+    d = mem.dtypes("fp32", "adamw")
+    assert mem.model_states(psi, n, "none", d).total == 16 * psi
+    assert mem.model_states(psi, n, "optimizer", d).total == 8 * psi + 8 * psi / n
+    assert mem.model_states(psi, n, "grads", d).total == 4 * psi + 12 * psi / n
+    assert mem.model_states(psi, n, "full", d).total == 16 * psi / n
+    assert mem.dtypes("fp32", "sgd", momentum=0.9).optimizer == 4
+    assert mem.dtypes("fp32", "sgd", momentum=0.0).optimizer == 0
+    assert mem.dtypes("fp16-mixed", "adam").optimizer == 12  # the paper's K
+
+
+# ---- activations: Korthikanti et al. for GPT-3 175B ---------------------------------------------------------------
+S, H, A, L, T = 2048, 12288, 96, 96, 8  # GPT-3 175B, tensor parallel 8
+
+
+def test_gpt3_activations_match_korthikanti_by_hand() -> None:
+    sbh = 2048 * 1 * 12288  # s·b·h with b = 1
+    as_h = 96 * 2048 / 12288  # a·s/h = 16
+    assert act.gpt_layer(S, 1, H, A) == sbh * (34 + 5 * as_h)  # 34 + 80 = 114 bytes per s·b·h
+    assert act.gpt_layer(S, 1, H, A, t=T) == pytest.approx(sbh * (10 + 24 / 8 + 5 * as_h / 8))  # 23
+    assert act.gpt_layer(S, 1, H, A, t=T, sp=True) == pytest.approx(sbh * (34 / 8 + 5 * as_h / 8))  # 14.25
+    assert act.gpt_layer(S, 1, H, A, attention="sdpa") == sbh * 34  # FlashAttention drops 5as/h
+    # fp32: the 2-byte terms double (32 → 64, softmax/dropout output 4 → 8), the 1-byte masks do not (2, 1)
+    assert act.gpt_layer(S, 1, H, A, act_bytes=4) == pytest.approx(sbh * (64 + 2 + (8 + 1) * as_h))
+    shape = FALLBACK_SHAPES["gpt3-175b"]
+    # full recomputation keeps 2sbh per layer (2sbh/t with SP) plus one layer's working set
+    kept = act.stage(shape, layers=L, first=False, last=False, s=S, b=1, t=T, sp=True, attention="eager",
+                     recompute=True)  # fmt: skip
+    assert kept == pytest.approx(96 * 2 * sbh / 8 + sbh * (34 / 8 + 5 * as_h / 8))
+    # the whole model on one stage: 96 layers + embedding dropout mask sbh/t + final LN and output inputs
+    # 2·2sbh/t + logits s·b·V·(2 + 4)/t
+    whole = act.stage(shape, layers=L, first=True, last=True, s=S, b=1, t=T, sp=True, attention="eager")
+    expected = 96 * sbh * 14.25 + sbh / 8 + 4 * sbh / 8 + 2048 * 50257 * 6 / 8
+    assert whole == pytest.approx(expected)
+
+
+def test_llama_activations_derivation() -> None:
+    shape = FALLBACK_SHAPES["llama2-7b"]  # h = 4096, kv = h, f = 11008, a = 32
+    sbh = 4096 * 2 * 4096
+    assert act.layer(shape, 4096, 2) == pytest.approx(sbh * (12 + 4 + 8 * 11008 / 4096))  # 37.5
+    assert act.layer(shape, 4096, 2, attention="eager") == pytest.approx(sbh * (37.5 + 2 * 32 * 4096 / 4096))
+    gqa = FALLBACK_SHAPES["llama2-70b"]  # h = 8192, kv = 1024, f = 28672
+    sbh = 4096 * 1 * 8192
+    assert act.layer(gqa, 4096, 1, t=8) == pytest.approx(
+        sbh * (8 + (4 + 4 * 1024 / 8192 + 8 * 28672 / 8192) / 8)
+    )
+    assert act.layer(gqa, 4096, 1, t=8, sp=True) == pytest.approx(sbh * (12 + 0.5 + 28) / 8)
+
+
+def test_pipeline_in_flight_and_splits() -> None:
+    assert act.split_layers(80, 3) == [26, 27, 27]
+    assert [act.in_flight("1f1b", 16, 4, i) for i in range(4)] == [4, 3, 2, 1]
+    assert [act.in_flight("gpipe", 16, 4, i) for i in range(4)] == [16] * 4
+
+
+# ---- communication ------------------------------------------------------------------------------------------------
+def test_comm_bytes_ddp_zero() -> None:
+    psi, n = 10_000_000, 8
+    result = plan(spec_from_params(psi), replace(preset("cpu-local"), gpus=n, gpus_per_node=n), Workload())
+    comm = {s: p["comm_bytes_per_rank_per_step"] for s, p in by_strategy(result).items()}
+    ring = (n - 1) / n
+    assert comm["ddp"]["dp_replicate.all_reduce"] == round(2 * psi * 4 * ring)  # 2Ψ, fp32
+    assert comm["zero1"]["total"] == comm["zero2"]["total"] == pytest.approx(2 * psi * 4 * ring, abs=2)
+    assert comm["zero3"]["total"] == pytest.approx(
+        3 * psi * 4 * ring, abs=2
+    )  # 2 all-gathers + reduce-scatter
+
+
+def test_comm_bytes_tp_and_pp() -> None:
+    shape = TransformerShape(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=688, vocab_size=1000, max_seq_len=128
+    )
+    spec = spec_from_shape(shape, "toy")
+    c = h100(8)
+    w = Workload(batch_size=8, precision="bf16")
+    tp = plan(spec, h100(4), w, "tp", tp=4)["plans"][0]  # dp 1: 8 sequences of 128 tokens on every rank
+    msg = 128 * 8 * 256 * 2  # s·b·h, bf16
+    calls = 4 * 4 + 2  # per layer 2 forward + 2 backward, embedding forward, output backward
+    assert tp["comm_bytes_per_rank_per_step"]["tp.all_gather"] == round(calls * msg * 3 / 4)
+    assert tp["comm_bytes_per_rank_per_step"]["tp.reduce_scatter"] == round(calls * msg * 3 / 4)
+    no_sp = plan(spec, h100(4), replace(w, sequence_parallel=False), "tp", tp=4)["plans"][0]
+    assert no_sp["comm_bytes_per_rank_per_step"]["tp.all_reduce"] == round(calls * msg * 2 * 3 / 4)
+    with pytest.raises(ConfigError, match="tp 8 does not divide the 8 attention heads and 4 KV heads"):
+        plan(spec, c, w, "tp", tp=8)
+    pp = plan(spec, c, replace(w, microbatches=4), "pp", pp=4, dp_replicate=2)["plans"][0]
+    # dp 2: 4 sequences per rank in 4 micro-batches of 1; a middle stage sends each one's activations
+    # forward and its gradients back (s·b·h bf16 each)
+    assert pp["comm_bytes_per_rank_per_step"]["pp.send_recv"] == 4 * 2 * (128 * 1 * 256 * 2)
+    assert pp["microbatches"] == 4 and pp["micro_batch_size"] == 1
+    t = pp["time_s"]
+    assert t["bubble"] / (t["compute"] + t["bubble"]) == pytest.approx((4 - 1) / (4 + 4 - 1))
+
+
+def test_axis_placement_and_alpha_beta() -> None:
+    c = h100(64)
+    layout = Layout(dp_replicate=4, dp_shard=2, tp=8)
+    assert link_for(layout, "tp", c).nodes == 1  # tp innermost: one node, NVLink
+    shard = link_for(layout, "dp_shard", c)  # stride 8: one member per node
+    assert shard.nodes == 2 and shard.beta == pytest.approx(1 / 50e9)
+    wide = link_for(Layout(dp_shard=64), "dp_shard", c)  # 8 members per node drive 8 NICs
+    assert wide.nodes == 8 and wide.beta == pytest.approx(1 / 400e9)
+    link = Link(alpha_intra=1e-6, alpha_inter=1e-5, beta=1e-9, nodes=1)
+    ring = op_time(CommOp("x", "all_gather", 4, 4e6, 1, "exposed"), link)
+    assert ring == pytest.approx(3 * 1e-6 + 3 / 4 * 4e6 * 1e-9)
+
+
+def test_pieces_constant_matches_the_ring() -> None:
+    from paratrain.comm.ring import PIECE_BYTES
+    from paratrain.plan.comm import PIECE_BYTES as PLANNED
+
+    assert PLANNED == PIECE_BYTES
+
+
+# ---- recommendation and scale ---------------------------------------------------------------------------------------
+def test_recommend_llama2_70b_on_512() -> None:
+    spec = spec_from_shape(FALLBACK_SHAPES["llama2-70b"], "llama2-70b")
+    result = recommend(spec, h100(512), Workload(precision="bf16"))
+    ddp = next(r for r in result["rejected"] if r["strategy"] == "ddp")
+    needs = f"{spec.num_params * 16 / 1e9:,.0f}"  # 4 + 4 + 8 bytes per parameter, replicated
+    assert f"needs {needs} GB per GPU" in ddp["reason"] and "has 80" in ddp["reason"]
+    assert result["plans"], "something must fit on 512 x 80 GB"
+    best = result["plans"][0]
+    assert best["fits"] and best["layout"]["tp"] <= 8 and best["reason"].startswith(best["strategy"])
+    times = [p["step_time_s"] for p in result["plans"]]
+    assert times == sorted(times)
+
+
+def test_recommend_is_fast_at_4096_gpus() -> None:
+    spec = spec_from_shape(FALLBACK_SHAPES["llama2-70b"], "llama2-70b")
+    start = time.perf_counter()
+    result = recommend(spec, h100(4096), Workload(precision="bf16"))
+    assert time.perf_counter() - start < 1.0
+    assert result["plans"] and result["evaluated"] > 100
+
+
+def test_recommend_small_model_prefers_data_parallel() -> None:
+    result = run_json("--params", "1e8", "--gpus", "8", "--recommend")
+    assert result["plans"][0]["layout"]["tp"] == 1 and result["plans"][0]["fits"]
+
+
+# ---- the CLI: JSON contract, bad input, plot -------------------------------------------------------------------------
+def run_json(*argv: str, capsys: Any = None) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run(cli(*argv, "--json")) == 0
+    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
+
+
+def test_json_contract() -> None:
+    result = run_json("--model", "llama2-7b", "--gpus", "8")
+    assert {"model", "num_params", "cluster", "plans"} <= result.keys()
+    assert result["num_params"] == 6_738_415_616
+    names = [p["strategy"] for p in result["plans"]]
+    assert names[:4] == ["ddp", "zero1", "zero2", "zero3"] and "fsdp+tp" in names and "fsdp+pp" in names
+    for p in result["plans"]:
+        assert {"strategy", "layout", "bytes_per_rank", "model_state_bytes_per_rank", "fits",
+                "comm_bytes_per_rank_per_step", "step_time_s", "mfu"} <= p.keys()  # fmt: skip
+        assert set(p["layout"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
+        assert set(p["bytes_per_rank"]) == {"params", "grads", "optimizer", "activations", "buffers", "peak"}
+        b = p["bytes_per_rank"]
+        assert b["peak"] == pytest.approx(sum(v for k, v in b.items() if k != "peak"), abs=3)
+        assert 0 < p["mfu"] <= 0.5 + 1e-9
+    one = run_json("--model", "llama2-7b", "--gpus", "8", "--strategy", "zero2")
+    assert [p["strategy"] for p in one["plans"]] == ["zero2"]
+
+
+def test_module_models_are_counted_and_traced() -> None:
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                [nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 16), nn.ReLU())]
+            )
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    with torch.device("meta"):
+        model = Tiny()
+    spec = spec_from_module(model, "tiny", input_shape=(8,))
+    assert spec.num_params == 8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4
+    assert spec.profile is not None
+    # per sample: input 8 floats, two ReLU outputs of 16 (each also the next Linear's input), cross-entropy's
+    # log-softmax output 4 floats, its int64 target, and half of its scalar weight (batch of 2)
+    assert spec.profile.saved == 8 * 4 + 16 * 4 + 16 * 4 + 4 * 4 + 8 + 2
+    assert spec.profile.flops == 3 * 2 * (8 * 16 + 16 * 16 + 16 * 4) - 2 * 8 * 16  # no grad for the input
+    result = run_json("--model", "mlp", "--cluster", "cpu-local", "--nproc-per-node", "2")
+    ddp = by_strategy(result)["ddp"]
+    assert ddp["model_state_bytes_per_rank"] == 16 * result["num_params"]
+    assert ddp["bytes_per_rank"]["activations"] > 0
+
+
+def test_builder_injection_and_shape_from_any_config() -> None:
+    cfg = SimpleNamespace(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=172, vocab_size=256, max_seq_len=32
+    )
+    result = None
+
+    def builder(name: str) -> tuple[Any, Any]:
+        assert name == "my-llama"
+        return None, cfg
+
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(
+            cli("--model", "my-llama", "--gpus", "2", "--cluster", "cpu-local", "--json"),
+            model_builder=builder,
+        )
+    result = json.loads(out.getvalue())
+    shape = TransformerShape(64, 2, 4, 2, 172, 256, 32)
+    assert (
+        result["num_params"]
+        == shape.num_params()
+        == 2 * 256 * 64 + 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 172 + 2 * 64)
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("--model", "llama2-7b", "--gpus", "8", "--tp", "2", "--pp", "2", "--dp-shard", "3"),
+            "tp 2 x pp 2 x dp_shard 3 = 12 does not divide the 8 GPUs",
+        ),
+        (
+            (
+                "--model",
+                "llama2-7b",
+                "--gpus",
+                "8",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--dp-shard",
+                "1",
+                "--dp-replicate",
+                "1",
+            ),
+            "dp_replicate 1 x dp_shard 1 x tp 2 x pp 2 = 4, but there are 8 GPUs",
+        ),
+        (
+            ("--model", "llama2-70b", "--gpus", "24", "--tp", "3"),
+            "tp 3 does not divide the 64 attention heads",
+        ),
+        (("--model", "llama2-7b", "--cluster", "h200-nvlink"), "unknown cluster preset 'h200-nvlink'"),
+        (
+            (
+                "--model",
+                "lama2-7b",
+            ),
+            "Did you mean 'llama2-7b'",
+        ),
+        (("--model", "llama2-7b", "--strategy", "zero4"), "unknown strategy 'zero4'"),
+        (("--model", "mlp", "--params", "1e6"), "exactly one of --model"),
+        (("--model", "llama2-7b", "--gpus", "8", "--pp", "40"), "pp 40"),
+        (
+            ("--model", "mlp", "--cluster", "cpu-local", "--tp", "2", "--nproc-per-node", "2"),
+            "need a transformer",
+        ),
+        (("--params", "1e9", "--gpus", "8", "--batch-size", "12"), "global batch 12"),
+        (("--params", "1e9", "--gpu-mem", "80 bananas"), "--gpu-mem"),
+    ],
+)
+def test_bad_input_is_a_config_error(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        run(cli(*argv, "--json"))
+
+
+def test_units_and_ranges() -> None:
+    assert cl.parse_size("80GB") == 80e9 and cl.parse_size("80GiB") == 80 * 2**30
+    assert cl.parse_bandwidth("400Gb/s") == 50e9 and cl.parse_bandwidth("450GB/s") == 450e9
+    assert cl.parse_time("5us") == pytest.approx(5e-6) and cl.parse_flops("989T") == 989e12
+    assert parse_gpu_range("8..64") == [8, 16, 32, 64] and parse_gpu_range("8,24") == [8, 24]
+
+
+def test_calibrate_fits_alpha_beta(tmp_path: Path) -> None:
+    alpha, beta, n = 50e-6, 2e-9, 4
+    rows = [{"collective": "all_reduce", "algorithm": "native", "bytes": s,
+             "time_s": 2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta} for s in (1024, 65536, 1 << 20, 1 << 24)]  # fmt: skip
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"world_size": n, "results": rows}))
+    c = cl.calibrate(path)
+    assert c.intra_latency == pytest.approx(alpha, rel=1e-6) and 1 / c.intra_bw == pytest.approx(
+        beta, rel=1e-6
+    )
+    assert c.gpus == n and c.name.startswith("cpu-local")
+    real = cl.calibrate(REPO / "benchmarks" / "results" / "comm_sweep.json")  # the {"runs": [...]} layout
+    assert real.intra_latency > 0 and 1e7 < real.intra_bw < 1e11
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    png = tmp_path / "plan.png"
+    assert run(cli("--model", "llama2-7b", "--gpus", "8", "--plot", str(png), "--json")) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep_png = tmp_path / "sweep.png"
+    result = run_json("--model", "llama2-7b", "--sweep-gpus", "8..64", "--plot", str(sweep_png))
+    assert [r["gpus"] for r in result["sweep"]] == [8, 16, 32, 64]
+    assert sweep_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_predict_run_for_the_measured_against_predicted_benchmark() -> None:
+    from paratrain.plan.cli import predict_run
+
+    p = predict_run(
+        ["--model", "mlp", "--strategy", "zero2", "--nproc-per-node", "4", "--cluster", "cpu-local"]
+    )
+    psi = p["model_state_bytes_per_rank"] / 7  # zero2, fp32 Adam: 4Ψ + 12Ψ/4 = 7Ψ
+    assert psi == pytest.approx(round(psi)) and p["layout"] == {
+        "dp_replicate": 1,
+        "dp_shard": 4,
+        "tp": 1,
+        "pp": 1,
+    }
+    assert p["bytes_per_rank"]["peak"] > p["model_state_bytes_per_rank"]
+    with pytest.raises(ConfigError, match="give --strategy"):
+        predict_run(["--model", "mlp", "--cluster", "cpu-local"])
