@@ -1,0 +1,120 @@
+"""Why the ring all-reduce measures 0.8-0.9x Gloo at 16 MB on 4 ranks: piece size, side by side, repeated.
+
+At 16 MB on 4 ranks a chunk (S/n) is 4 MiB, exactly one ``PIECE_BYTES`` piece: the ring is not pipelined
+there (P = 1), each of its 2(n-1) = 6 steps waits for a whole chunk, and the reduce-scatter window holds
+two of its three receives. The calls below take turns in every iteration (each after a barrier, timed
+alone; an iteration's time is the slowest rank's; a run's figure is the median over ``--iters``
+iterations), in ``--runs`` separate process groups:
+
+- ``native``: Gloo's own ``all_reduce``;
+- ``ring``: :func:`paratrain.comm.ring.all_reduce` as shipped (4 MiB pieces: P = 1 at 16 MB, 4 at 64 MB);
+- ``ring-2MiB`` / ``ring-1MiB``: the same with 2 / 1 MiB pieces (P = 2 / 4 at 16 MB, pipelined, a window
+  of 4 / 8 receives).
+
+Also reported: CPU seconds per call summed over the ranks (``time.process_time``: every thread of a rank,
+Gloo's included), steadier than wall time on a loaded machine.
+
+    python benchmarks/bench_ring.py                  # 4 ranks, 16 and 64 MB, 3 runs (about 3-5 minutes)
+    python benchmarks/bench_ring.py --json           # writes benchmarks/results/ring16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm.cost import busbw
+from paratrain.testing import run_distributed
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MB = 1 << 20
+
+
+def _worker(sizes: list[int], iters: int, warmup: int) -> dict[str, Any]:
+    from paratrain.comm import ring
+    from paratrain.comm._common import peers
+
+    torch.set_num_threads(1)
+    p, n = peers("bench", None), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for size in sizes:
+        x = torch.zeros(size // 4)
+
+        calls = {
+            "native": lambda x=x: dist.all_reduce(x),
+            "ring": lambda x=x: ring.all_reduce(x, "sum", p),
+            "ring-2MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=2 * MB),
+            "ring-1MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=1 * MB),
+        }
+        wall: dict[str, list[float]] = {k: [] for k in calls}
+        cpu: dict[str, list[float]] = {k: [] for k in calls}
+        for it in range(warmup + iters):
+            for k, call in calls.items():
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                call()
+                if it >= warmup:
+                    wall[k].append(time.perf_counter() - t0)
+                    cpu[k].append(time.process_time() - c0)
+        w = torch.tensor([wall[k] for k in calls], dtype=torch.float64)
+        c = torch.tensor([cpu[k] for k in calls], dtype=torch.float64)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        dist.all_reduce(c)
+        med = {k: statistics.median(v) for k, v in zip(calls, w.tolist(), strict=True)}
+        out[str(size)] = {
+            k: {
+                "time_s": med[k],
+                "busbw_GBps": busbw("all_reduce", n, size, med[k]) / 1e9,
+                "vs_native": med["native"] / med[k],
+                "cpu_s_all_ranks": statistics.median(cv),
+            }
+            for k, cv in zip(calls, c.tolist(), strict=True)
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--sizes", default="16,64", help="MB, comma-separated")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "ring16.json")
+    args = ap.parse_args()
+    sizes = [int(s) * MB for s in args.sizes.split(",")]
+    runs = []
+    for r in range(args.runs):
+        res = run_distributed(
+            _worker, args.ranks, args=(sizes, args.iters, args.warmup), timeout_s=1800,
+            env={"OMP_NUM_THREADS": "1"},
+        )[0]  # fmt: skip
+        runs.append({"load_avg": os.getloadavg()[0], "sizes": res})
+        for s, row in res.items():
+            print(
+                f"run {r + 1}, {int(s) // MB} MB: "
+                + ", ".join(
+                    f"{k} {v['time_s'] * 1e3:.1f} ms ({v['vs_native']:.2f}x native)" for k, v in row.items()
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+    result = {"ranks": args.ranks, "cores": os.cpu_count(), "iters": args.iters, "runs": runs}
+    if args.json:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

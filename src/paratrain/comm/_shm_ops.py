@@ -1,0 +1,117 @@
+"""What a shared-memory call means: reduction ops (names, dtypes, the kernel) and the call signature that
+every rank compares before it touches another rank's data (:mod:`paratrain.comm.shm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod", "band", "bor", "bxor")
+"""Reduction ops (``avg`` is accepted as ``mean``; ``dist.ReduceOp`` values are accepted too)."""
+
+_FUNCS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast", "all_reduce_inplace_slot")
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+def normalize_op(op: Any) -> str:
+    """``"sum"`` / ``dist.ReduceOp.SUM`` / ``"avg"`` ... → one of :data:`OPS`; ``ValueError`` otherwise."""
+    if isinstance(op, str):
+        name = {"avg": "mean", "product": "prod"}.get(op.lower(), op.lower())
+        if name in OPS:
+            return name
+        raise ValueError(f"shm: unknown op {op!r}; choose one of {', '.join(OPS)} (or 'avg').")
+    for name, native in (
+        ("sum", "SUM"), ("mean", "AVG"), ("prod", "PRODUCT"), ("max", "MAX"), ("min", "MIN"),
+        ("band", "BAND"), ("bor", "BOR"), ("bxor", "BXOR"),
+    ):  # fmt: skip
+        if op == getattr(dist.ReduceOp, native):
+            return name
+    raise ValueError(f"shm: unsupported reduce op {op!r} (PREMUL_SUM and custom ops are not implemented).")
+
+
+def native_op(op: str) -> Any:
+    """The ``dist.ReduceOp`` equal to ``op`` (``mean`` is SUM; the caller divides)."""
+    return getattr(
+        dist.ReduceOp,
+        {"sum": "SUM", "mean": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "band": "BAND",
+         "bor": "BOR", "bxor": "BXOR"}[op],
+    )  # fmt: skip
+
+
+def check_op(function: str, op: str, dtype: torch.dtype) -> None:
+    """``TypeError`` for a dtype ``op`` cannot reduce (the same combinations Gloo refuses)."""
+    integral = dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
+    if op == "mean" and integral:
+        raise TypeError(
+            f"{function}: op='mean' needs a floating-point tensor, got {dtype} (the mean of integers is not "
+            "an integer). Cast to a float dtype first, or use op='sum' and divide yourself."
+        )
+    if op in ("band", "bor", "bxor") and not integral:
+        raise TypeError(f"{function}: op={op!r} needs an integer or bool tensor, got {dtype}.")
+    if dtype.is_complex and op not in ("sum", "mean"):
+        raise TypeError(f"{function}: op={op!r} is not defined for complex tensors ({dtype}).")
+
+
+def _reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
+    """``out = rows[0] <op> rows[1] <op> ...`` with one torch op where one exists; ``out`` must not alias
+    ``rows``. Sums of bf16/fp16 accumulate in float32 (torch's CPU reduction does) and round once."""
+    if rows.dtype == torch.bool:  # Gloo's bool semantics, on the 0/1 bytes
+        rows, out = rows.view(torch.uint8), out.view(torch.uint8)
+        op = {"sum": "max", "bor": "max", "prod": "min", "band": "min"}.get(op, op)
+    integral = not (rows.dtype.is_floating_point or rows.dtype.is_complex)
+    if op in ("sum", "mean"):
+        torch.sum(rows, 0, dtype=rows.dtype if integral else None, out=out)
+    elif op == "prod":
+        torch.prod(rows, 0, dtype=rows.dtype if integral else None, out=out)
+    elif op == "max":
+        torch.amax(rows, 0, out=out)
+    elif op == "min":
+        torch.amin(rows, 0, out=out)
+    else:
+        fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
+        fn(rows[0], rows[1], out=out)
+        for j in range(2, rows.shape[0]):
+            fn(out, rows[j], out=out)
+
+
+# call signatures (compared by every rank at the first step of a call)
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return int(dtype.itemsize)
+
+
+def _signature(
+    function: str, op: str, dtype: torch.dtype, numel: int, root: int, aux: int, pieces: int
+) -> list[int]:
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else 99
+    return [0, _FUNCS.index(function), OPS.index(op) if op else -1, code, numel, root, aux, pieces]
+
+
+def _with_seq(sig: list[int], seq: int) -> list[int]:
+    return [seq, *sig[1:]]
+
+
+def _bounds_hash(lens: Sequence[int]) -> int:
+    return hash(tuple(lens)) & 0x7FFFFFFFFFFFFFFF  # hashes of ints and tuples of ints are not salted
+
+
+def _describe(row: list[int]) -> str:
+    seq, fn, op, dt, numel, root, aux, _ = row
+    if not 0 <= fn < len(_FUNCS):
+        return f"nothing at this step (step {seq})"
+    dtype = _DTYPES[dt] if 0 <= dt < len(_DTYPES) else "?"
+    parts = [f"{numel} elements of {dtype}"]
+    if op >= 0:
+        parts.insert(0, f"op={OPS[op]!r}")
+    if root >= 0:
+        parts.append(f"root (group rank) {root}")
+    if fn == _FUNCS.index("all_reduce_inplace_slot"):
+        parts.append(f"arena offset {aux}")
+    return f"{_FUNCS[fn]}({', '.join(parts)}) at step {seq}"

@@ -1,0 +1,496 @@
+"""A shared-memory segment of one process group: creation handshake, mapping, flags, waiting, arena.
+
+:class:`_Segment` is the base of :class:`paratrain.comm.shm.ShmCommunicator`; it owns everything except
+the collectives themselves. The layout, the protocol and the cleanup strategy are described in
+:mod:`paratrain.comm.shm`'s docstring.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import mmap
+import os
+import platform
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Self
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paratrain.comm._common import Peers, peers
+from paratrain.comm._shm_ops import _FUNCS, _describe, _esize
+from paratrain.comm._shm_sys import (
+    _ALIGN,
+    _FENCE,
+    _FUTEX,
+    _PAGE,
+    CHECK_S,
+    NAP_MAX_S,
+    NAP_MIN_S,
+    SEGMENT_PREFIX,
+    SPINS,
+    YIELD_S,
+    _align,
+    _fence,
+    _Futex,
+    _group_timeout,
+    _host_info,
+    _job_id,
+    _pid_namespace,
+    _slug,
+    _start_time,
+    _sweep_stale,
+    _unlink,
+)
+
+DEFAULT_CAPACITY_BYTES = 8 << 20
+"""Bytes of one slot: the largest piece a rank contributes per step (two buffers are kept). 8 MiB keeps a
+step's slots of 4 ranks (32 MiB) inside a 48 MiB L3 while a step's two barriers stay small next to the
+copies; ``benchmarks/bench_shm.py --capacity`` measures other choices."""
+SMALL_BYTES = 64 << 10
+"""all_reduce pieces up to this size are reduced by every rank (one barrier instead of two)."""
+
+_LINE_WORDS = 32  # 256 bytes of header per rank
+_ARRIVE, _REDUCED, _DONE, _STATUS, _PID, _START = 0, 1, 2, 3, 4, 5
+_SIG, _SIG_WORDS = 8, 8  # two signatures (one per buffer parity) at words 8..15 and 16..23
+_OK, _CLOSED, _ABORTED = 0, 1, 2
+_MAGIC, _VERSION = 0x7061726153484D31, 1  # "paraSHM1"
+_HEAD_WORDS = 8  # magic, version, size, capacity, arena, nonce, total bytes, reserved
+_STEP = {_ARRIVE: "input", _REDUCED: "reduced chunk", _DONE: "final copy"}
+
+_INSTANCES: dict[str, int] = {}
+"""Per group name, how many communicators this process has created (keys of the creation handshake)."""
+
+
+class _Segment:
+    """The segment, its flags and its arena; :class:`~paratrain.comm.shm.ShmCommunicator` adds the
+    collectives (its docstring lists the arguments)."""
+
+    def __init__(
+        self,
+        group: Any = None,
+        capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+        timeout_s: float | None = None,
+        *,
+        arena_bytes: int = 0,
+        small_bytes: int = SMALL_BYTES,
+        futex: bool = True,
+        store: Any = None,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
+        if capacity_bytes < 1 or arena_bytes < 0:
+            raise ValueError(
+                f"shm: capacity_bytes must be >= 1 and arena_bytes >= 0, got {capacity_bytes}, {arena_bytes}."
+            )
+        self.peers: Peers = peers("shm", group)
+        self.group = group
+        self.rank, self.size = self.peers.rank, self.peers.size
+        self.capacity_bytes = _align(max(capacity_bytes, _ALIGN * self.size))
+        self.arena_bytes = _align(arena_bytes)
+        self.small_bytes = small_bytes
+        self.timeout_s = float(timeout_s) if timeout_s is not None else _group_timeout(self.peers.pg)
+        self.name = ""
+        self.closed = False
+        self._seq = 0
+        self._calls = 0
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+        self._arena_used = 0
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._mm: mmap.mmap | None = None
+        self._u8 = torch.empty(0, dtype=torch.uint8)
+        self._lines = np.zeros((self.size, _LINE_WORDS), dtype=np.int64)
+        self._head = np.zeros(_HEAD_WORDS, dtype=np.int64)
+        self._pid_ns = _pid_namespace()
+        self._same_pidns = False
+        self._use_futex = futex
+        self._futex: _Futex | None = None
+        self._lines_addr = 0
+        if self.size == 1:
+            return
+        if _FENCE is None:
+            raise RuntimeError(
+                f"shm: no memory fence available on {platform.machine()} (libatomic not found); the shared-"
+                "memory transport needs one outside x86. Install libatomic1 or use another algorithm."
+            )
+        if not os.path.isdir(shm_dir):
+            raise RuntimeError(
+                f"shm: {shm_dir} does not exist; the shared-memory transport needs a tmpfs such as Linux's "
+                "/dev/shm (pass shm_dir=...), or use another algorithm."
+            )
+        n, cap = self.size, self.capacity_bytes
+        self._head_bytes = _align((_HEAD_WORDS + n * _LINE_WORDS) * 8, _PAGE)
+        self._slot_off = self._head_bytes
+        self._res_off = self._slot_off + 2 * n * cap
+        self._arena_off = _align(self._res_off + 2 * cap, _PAGE)
+        self._total = _align(self._arena_off + n * self.arena_bytes, _PAGE)
+        self._attach(store, shm_dir)
+
+    # -- creation ------------------------------------------------------------------------------------
+
+    def _attach(self, store: Any, shm_dir: str) -> None:
+        """The creation handshake through the store (keys under ``paratrain-shm/<instance>/``):
+
+        1. rank 0 creates and sizes the segment, writes the header, publishes ``name``;
+        2. every rank publishes ``host/<r>`` and waits for all of them: different hosts → ``ValueError``;
+        3. every rank maps the segment, checks the header, publishes ``attached/<r>`` (``ok`` or why not);
+        4. every rank waits for all ``attached`` keys, then the name is unlinked (by whoever comes first).
+        """
+        pg = self.peers.pg
+        group_name = str(dist.distributed_c10d._get_process_group_name(pg))
+        instance = _INSTANCES.get(group_name, 0)
+        _INSTANCES[group_name] = instance + 1
+        if store is None:
+            try:
+                store = dist.distributed_c10d._get_process_group_store(pg)
+            except Exception:
+                store = dist.PrefixStore(f"group/{group_name}", dist.distributed_c10d._get_default_store())
+        store = dist.PrefixStore(f"paratrain-shm/{instance}", store)
+        n, r = self.size, self.rank
+        path = ""
+        try:
+            if r == 0:
+                _sweep_stale(shm_dir)
+                token = secrets.token_hex(4)
+                tail = f"{token}-{_job_id()}-{_slug(group_name, 16)}"
+                self.name = f"{SEGMENT_PREFIX}{self._pid_ns}-{os.getpid()}-{tail}"
+                path = os.path.join(shm_dir, self.name)
+                self._map(path, create=True)
+                nonce = secrets.randbits(62)
+                header = (_MAGIC, _VERSION, n, self.capacity_bytes, self.arena_bytes, nonce, self._total, 0)
+                self._head[:] = header
+                store.set("name", json.dumps({"name": self.name, "nonce": nonce}))
+            store.set(f"host/{r}", json.dumps(_host_info()))
+            hosts = self._gather(store, "host", "the host check")
+            self._same_pidns = all(h["pidns"] == hosts[0]["pidns"] != 0 for h in hosts)
+            if any((h["host"], h["boot"]) != (hosts[0]["host"], hosts[0]["boot"]) for h in hosts):
+                listing = "; ".join(
+                    f"rank {self.peers.global_rank(j)}: {h['host']} (boot {h['boot'][:8]})"
+                    for j, h in enumerate(hosts)
+                )
+                raise ValueError(
+                    "shm: the ranks of the group are not all on one host, and shared memory only reaches the "
+                    f"ranks of one host ({listing}). Use algorithm 'native' or 'ring' across hosts, or "
+                    "hierarchical_all_reduce."
+                )
+            status = "ok"
+            if r != 0:
+                self._wait_keys(store, ["name"], "the segment name")
+                info = json.loads(store.get("name"))
+                self.name = info["name"]
+                path = os.path.join(shm_dir, self.name)
+                try:
+                    self._map(path, create=False)
+                    expected = [_MAGIC, _VERSION, n, self.capacity_bytes, self.arena_bytes, info["nonce"]]
+                    if self._head[:6].tolist() != expected:
+                        status = f"header {self._head[:6].tolist()} != expected {expected}"
+                except OSError as e:
+                    status = (
+                        f"cannot map {path}: {e} (do the ranks pass the same capacity_bytes/arena_bytes?)"
+                    )
+            store.set(f"attached/{r}", status)
+            attached = self._gather(store, "attached", "mapping the segment", decode=False)
+            _unlink(path)  # every rank has mapped it (or failed): the name is no longer needed
+            bad = [f"rank {self.peers.global_rank(j)}: {s}" for j, s in enumerate(attached) if s != "ok"]
+            if bad:
+                raise RuntimeError("shm: some ranks could not map the segment: " + "; ".join(bad))
+        except BaseException:
+            if path:
+                _unlink(path)
+            self._unmap()
+            self.closed = True
+            raise
+        line = self._lines[r]
+        line[_PID], line[_START], line[_STATUS] = os.getpid(), _start_time(os.getpid()) or 0, _OK
+        self._futex = _FUTEX if self._use_futex else None
+
+    def _map(self, path: str, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self._total)
+            elif os.fstat(fd).st_size != self._total:
+                raise OSError(f"size {os.fstat(fd).st_size} != expected {self._total}")
+            mm = self._mm = mmap.mmap(fd, self._total)
+        finally:
+            os.close(fd)
+        self._u8 = torch.frombuffer(mm, dtype=torch.uint8)
+        words = np.frombuffer(mm, dtype=np.int64, count=self._head_bytes // 8)
+        self._head = words[:_HEAD_WORDS]
+        self._lines = words[_HEAD_WORDS : _HEAD_WORDS + self.size * _LINE_WORDS].reshape(
+            self.size, _LINE_WORDS
+        )
+        self._lines_addr = self._u8.data_ptr() + _HEAD_WORDS * 8
+
+    def _wait_keys(self, store: Any, keys: list[str], what: str) -> None:
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception:
+            missing = [k for k in keys if not store.check([k])]
+            raise TimeoutError(
+                f"shm segment creation: waiting for {what}, {', '.join(missing)} did not arrive within "
+                f"{self.timeout_s:g} s"
+            ) from None
+
+    def _gather(self, store: Any, key: str, what: str, decode: bool = True) -> list[Any]:
+        keys = [f"{key}/{j}" for j in range(self.size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception:
+            late = [self.peers.global_rank(j) for j, k in enumerate(keys) if not store.check([k])]
+            raise TimeoutError(
+                f"shm segment creation ({what}): rank {', '.join(map(str, late))} did not arrive within "
+                f"{self.timeout_s:g} s"
+            ) from None
+        values = [store.get(k).decode() for k in keys]
+        return [json.loads(v) for v in values] if decode else values
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap this rank's view (local, not collective). The memory goes when the last rank's mapping
+        does; tensors from :meth:`allocate` that are still referenced keep the mapping alive. A collective
+        running on another thread is waited for (up to ``timeout_s``) before the view goes."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self._lock.acquire(timeout=self.timeout_s):
+            return  # still in use on another thread: leave the mapping to garbage collection
+        try:
+            if self._mm is not None:
+                self._lines[self.rank, _STATUS] = _CLOSED
+            self._unmap()
+        finally:
+            self._lock.release()
+
+    def _unmap(self) -> None:
+        self._typed.clear()
+        self._u8 = torch.empty(0, dtype=torch.uint8)
+        self._lines = np.zeros((self.size, _LINE_WORDS), dtype=np.int64)
+        self._head = np.zeros(_HEAD_WORDS, dtype=np.int64)
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            _close_mapping(mm)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShmCommunicator(rank={self.rank}, size={self.size}, capacity_bytes={self.capacity_bytes}, "
+            f"arena_bytes={self.arena_bytes}, name={self.name!r}, closed={self.closed})"
+        )
+
+    # -- views ---------------------------------------------------------------------------------------
+
+    def _view(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self._typed.get(dtype)
+        if t is None:
+            t = self._typed[dtype] = self._u8.view(dtype)
+        return t
+
+    def _rows(self, dtype: torch.dtype, offset: int, stride: int, rows: int, length: int) -> torch.Tensor:
+        """A (rows, length) view of the segment starting at byte ``offset``, rows ``stride`` bytes apart."""
+        es = _esize(dtype)
+        return self._view(dtype).as_strided((rows, length), (stride // es, 1), offset // es)
+
+    def _slot(self, b: int, j: int) -> int:
+        return self._slot_off + (b * self.size + j) * self.capacity_bytes
+
+    def _slots(self, dtype: torch.dtype, b: int, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start+length) of every rank's slot of buffer b: an (n, length) view."""
+        es = _esize(dtype)
+        return self._rows(dtype, self._slot(b, 0) + start * es, self.capacity_bytes, self.size, length)
+
+    def _flat(self, dtype: torch.dtype, offset: int, length: int) -> torch.Tensor:
+        es = _esize(dtype)
+        return self._view(dtype)[offset // es : offset // es + length]
+
+    # -- flags ---------------------------------------------------------------------------------------
+
+    def _next(self) -> tuple[int, int]:
+        self._seq += 1
+        return self._seq, self._seq & 1
+
+    def _publish(self, word: int, seq: int, sig: Sequence[int] | None = None) -> None:
+        """Release: everything this rank wrote for step ``seq`` becomes visible before the flag does."""
+        line = self._lines[self.rank]
+        if sig is not None:
+            base = _SIG + (seq & 1) * _SIG_WORDS
+            line[base : base + _SIG_WORDS] = sig
+        _fence()
+        line[word] = seq
+        if self._futex is not None:
+            self._futex.wake(self._word_addr(self.rank, word))
+
+    def _word_addr(self, j: int, word: int) -> int:
+        """Address of the 32 low bits of rank j's ``word`` (the futex word)."""
+        return self._lines_addr + (j * _LINE_WORDS + word) * 8 + (4 if sys.byteorder == "big" else 0)
+
+    def _wait(self, word: int, seq: int, what: tuple[str, int, int]) -> None:
+        """Acquire: return once every rank's ``word`` is >= ``seq``; raise naming the late ranks."""
+        lines = self._lines
+        late = [j for j in range(self.size) if lines[j, word] < seq]
+        if late:
+            self._wait_slow(word, seq, late, what)
+        _fence()
+
+    def _wait_slow(self, word: int, seq: int, late: list[int], what: tuple[str, int, int]) -> None:
+        lines = self._lines
+        start = time.monotonic()
+        deadline, next_check, nap, spins = start + self.timeout_s, start + CHECK_S, NAP_MIN_S, 0
+        while True:
+            late = [j for j in late if lines[j, word] < seq]
+            if not late:
+                return
+            spins += 1
+            if spins <= SPINS:
+                continue
+            now = time.monotonic()
+            if now - start < YIELD_S:
+                os.sched_yield()
+                continue
+            if self._futex is not None:  # block until the first late rank raises its flag (or CHECK_S)
+                value = int(lines[late[0], word])
+                if value < seq:
+                    timeout = max(1e-4, min(next_check, deadline) - now)
+                    self._futex.wait(self._word_addr(late[0], word), value & 0xFFFFFFFF, timeout)
+            else:
+                time.sleep(nap)
+                nap = min(2 * nap, NAP_MAX_S)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHECK_S
+                self._check_peers(late, word, what)
+            if now >= deadline:
+                ranks = ", ".join(str(self.peers.global_rank(j)) for j in late)
+                raise TimeoutError(
+                    f"{self._where(what)}: rank {ranks} did not arrive within {self.timeout_s:g} s "
+                    f"(waiting for its {_STEP[word]}{self._piece(what)})"
+                )
+
+    def _check_peers(self, late: list[int], word: int, what: tuple[str, int, int]) -> None:
+        for j in late:
+            line = self._lines[j]
+            g = self.peers.global_rank(j)
+            if line[_STATUS] == _ABORTED:
+                raise RuntimeError(
+                    f"{self._where(what)}: rank {g} gave up on this collective (it raised an error; see its "
+                    "log), so it cannot complete"
+                )
+            if line[_STATUS] == _CLOSED:
+                raise RuntimeError(f"{self._where(what)}: rank {g} closed its shm communicator")
+            pid, started = int(line[_PID]), int(line[_START])
+            if pid and started and self._same_pidns and _start_time(pid) != started:
+                raise RuntimeError(
+                    f"{self._where(what)}: rank {g} (pid {pid}) died while the others waited for its "
+                    f"{_STEP[word]}{self._piece(what)}; the collective cannot complete"
+                )
+
+    def _where(self, what: tuple[str, int, int]) -> str:
+        return f"shm {what[0]} #{self._calls}"
+
+    @staticmethod
+    def _piece(what: tuple[str, int, int]) -> str:
+        return f", piece {what[1] + 1} of {what[2]}" if what[2] > 1 else ""
+
+    def _check_sig(self, seq: int, sig: Sequence[int]) -> None:
+        """Compare every rank's call signature for the call that starts at step ``seq`` (after ARRIVE)."""
+        base = _SIG + (seq & 1) * _SIG_WORDS
+        table = self._lines[:, base : base + _SIG_WORDS]
+        if bool((table == table[self.rank]).all()):
+            return
+        lines = [
+            f"rank {self.peers.global_rank(j)}: {_describe(row.tolist())}" for j, row in enumerate(table)
+        ]
+        raise _Mismatch(
+            f"shm {_FUNCS[sig[1]]}: the ranks of the group disagree on the call (every rank must call the "
+            "same collective with the same op, root, dtype and size, in the same order):\n  "
+            + "\n  ".join(lines)
+        )
+
+    @contextmanager
+    def _call(self, function: str) -> Iterator[None]:
+        """One collective call: refuse if closed, broken or re-entered; on an error that can leave ranks
+        at different steps (anything but a mismatch, which every rank raises at the same step), mark this
+        rank aborted so that its peers fail fast instead of timing out."""
+        if self.closed:
+            raise RuntimeError(f"shm {function}: the communicator is closed.")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"shm {function}: this communicator is unusable after an earlier failure ({self._broken}); "
+                "create a new one on every rank."
+            )
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"shm {function}: concurrent calls on one communicator (use one per thread).")
+        self._calls += 1
+        try:
+            yield
+        except _Mismatch as e:
+            raise ValueError(str(e)) from None
+        except BaseException as e:
+            self._broken = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            if self._mm is not None:
+                self._lines[self.rank, _STATUS] = _ABORTED
+                if self._futex is not None:  # peers blocked on one of this rank's flags: look now
+                    for word in (_ARRIVE, _REDUCED, _DONE):
+                        self._futex.wake(self._word_addr(self.rank, word))
+            raise
+        finally:
+            self._lock.release()
+
+    # -- zero copy -----------------------------------------------------------------------------------
+
+    def allocate(self, shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new tensor inside this rank's arena (64-byte aligned; contents undefined), for
+        :meth:`all_reduce_inplace_slot`. Local: every rank must allocate the same sequence of shapes and
+        dtypes so that a tensor sits at the same arena offset on every rank (the call checks). Memory is
+        handed out once; :meth:`reset_arena` starts over. With a group of one rank this is ``torch.empty``."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if self.size == 1:
+            return torch.empty(shape, dtype=dtype)
+        if self.closed:
+            raise RuntimeError("shm allocate: the communicator is closed.")
+        nbytes = math.prod(shape) * _esize(dtype)
+        off = _align(self._arena_used)
+        if off + nbytes > self.arena_bytes:
+            raise ValueError(
+                f"shm allocate: {nbytes} bytes do not fit in the arena ({self.arena_bytes - off} of "
+                f"{self.arena_bytes} bytes left); create the communicator with a larger arena_bytes."
+            )
+        self._arena_used = off + nbytes
+        return self._flat(dtype, self._arena(self.rank) + off, math.prod(shape)).view(shape)
+
+    def reset_arena(self) -> None:
+        """Forget every :meth:`allocate` (their tensors must no longer be used)."""
+        self._arena_used = 0
+
+    @property
+    def arena_used(self) -> int:
+        return self._arena_used
+
+    def _arena(self, j: int) -> int:
+        return self._arena_off + j * self.arena_bytes
+
+
+class _Mismatch(Exception):
+    """The ranks disagree on a call; every rank raises it at the same step (the group stays usable)."""
+
+
+def _close_mapping(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except (BufferError, ValueError):
+        pass  # tensors from allocate() still reference it: the mapping goes when they do

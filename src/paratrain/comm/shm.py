@@ -1,0 +1,530 @@
+"""Collectives among the ranks of one host through one shared-memory segment per group (algorithm ``shm``).
+
+    from paratrain.comm import shm
+    shm.all_reduce(grad, op="mean")                 # in place, comm's conventions (group=None: world)
+    part = shm.reduce_scatter(t, op="sum")          # torch.tensor_split(result, n)[rank] along dim 0
+    full = shm.all_gather(shard)                    # every rank's tensor, dim 0, group-rank order
+    shm.broadcast(param, src=0)                     # in place; src is a global rank, as in torch
+
+    c = shm.ShmCommunicator(group, capacity_bytes=8 << 20, arena_bytes=64 << 20)
+    c.reduce_scatter(out, inp, op="sum")            # torch's reduce_scatter_tensor semantics
+    c.all_gather(out, inp)                          # torch's all_gather_into_tensor semantics
+    bucket = c.allocate((numel,), torch.float32)    # lives in this rank's arena inside the segment
+    ...; c.all_reduce_inplace_slot(bucket, "mean")  # zero copy: peers read the bucket where it lies
+
+**Files.** This module: the protocol (this docstring), the collectives, the module-level functions.
+:mod:`._shm_segment`: the segment (creation handshake, mapping, flags, waiting, zero-copy arena);
+:mod:`._shm_sys`: fences, futex, process liveness, names, stale sweep; :mod:`._shm_ops`: reduction ops
+and call signatures; :mod:`.shm_hier`: the hierarchical all-reduce over several hosts.
+
+Gloo moves every byte of a one-host collective through TCP loopback (copy into a socket, copy out, a
+kernel wake-up per message). Here the ranks map the same memory: a rank copies its input into its own
+*slot*, raises a flag, and the others read it where it lies. No byte goes through a socket and no
+Gloo round trip is on the fast path; synchronisation is sequence-numbered flags in the segment.
+
+**Segment.** The group's rank 0 creates ``/dev/shm/paratrain-shm-<pidns>-<pid>-<token>-<job>-<group>``
+(``O_EXCL``, mode 0600); its name travels through the c10d store of the process group (``store=`` to
+use another), together with each rank's host name and boot id: ranks on different hosts are refused with
+one ``ValueError`` on every rank. Every rank maps it and reports through the store; as soon as every
+rank has mapped it, the name is **unlinked**.
+
+**Cleanup strategy.** After the unlink the segment has no name: the kernel frees it when the last
+mapping goes, on every exit path, SIGKILL and OOM-kill included, without any cleanup code running. The
+only window in which a name exists is the creation handshake (well under a second). A creator killed
+inside that window leaves a name behind; the next creation on the host sweeps names whose creator
+(same pid namespace, pid in the name) no longer exists. :meth:`ShmCommunicator.close` (also called at
+exit for the cached communicators) unmaps this rank's view early.
+
+**Layout** (n ranks, C = ``capacity_bytes``, A = ``arena_bytes``; every region 64-byte aligned)::
+
+    header   4 KiB+   one 256-byte line per rank: flags ARRIVE, REDUCED, DONE (int64, written only by
+                      that rank, monotonically increasing), STATUS, pid, start time, two call signatures
+    slots    2·n·C    two buffers (b = seq mod 2) of one C-byte slot per rank: inputs
+    results  2·C      two buffers of reduced pieces (all_reduce / reduce): rank c writes chunk c
+    arenas   n·A      one per rank, for :meth:`ShmCommunicator.allocate` (zero-copy buckets)
+
+**Protocol.** Each rank counts *steps* (``seq``, one per piece of a collective, the same sequence on
+every rank because collectives are called in the same order). A tensor larger than a slot is processed
+in pieces that fit. For step k (buffer b = k mod 2) of an all-reduce, rank r:
+
+1. copies its piece into ``slot[b][r]``, then sets ``ARRIVE[r] = k`` (first piece: the call signature
+   is written before the flag);
+2. waits until ``ARRIVE[j] >= k`` for every j (first piece: compares every rank's signature, so a
+   mismatched call raises the same ``ValueError`` everywhere instead of corrupting memory);
+3. reduces its 1/n chunk of the piece from every rank's slot with one torch op over a strided
+   (n, chunk) view of the slots (``torch.sum(dim=0)``, ``amax``...) into ``result[b]``, then sets
+   ``REDUCED[r] = k``;
+4. waits until ``REDUCED[j] >= k`` for every j, and copies ``result[b]`` into its tensor.
+
+Small all-reduces (``SMALL_BYTES``) skip 3–4: after step 2 every rank reduces the whole piece itself,
+one barrier instead of two. reduce_scatter is 1–2 and then reduces its own chunk straight into the
+output; all_gather and broadcast are 1–2 and then copy out of the slots. Every step starts with the
+ARRIVE barrier, and that is what makes the two buffers safe to reuse without another flag: rank r
+writes ``slot[b][r]`` (and ``result[b]``) again at step k+2 only after it has seen ``ARRIVE[j] >= k+1``
+for every j, and rank j raises ARRIVE to k+1 only after it has finished every read of step k. The same
+argument lets a fast rank copy in piece k+1 while slow ranks still read piece k (pipelining across
+ranks). The zero-copy arena is the exception (the caller writes it at will after the call), so
+:meth:`all_reduce_inplace_slot` ends with a third barrier on ``DONE``.
+
+**Waiting.** A rank polls the flags it waits for: a few µs of pure spinning, then ``sched_yield`` for
+up to ``YIELD_S``, then it blocks in ``futex(FUTEX_WAIT)`` on the first late rank's flag word, and every
+publisher calls ``FUTEX_WAKE`` on its flag after raising it (the kernel rechecks the value under its own
+lock, so no wake-up is lost). Up to 4–5 ranks share 2 cores on the development machine: pure spinning
+would starve the very peers a rank waits for, and sleep-polling (the fallback without futex, sleeps
+doubling from ``NAP_MIN_S`` to ``NAP_MAX_S``) adds its nap to every late arrival. While blocked it
+checks, every ``CHECK_S``, whether a late rank has died (``/proc/<pid>``, guarded against pid reuse by
+the start time) or given up (its STATUS word), and raises naming it; after ``timeout_s``
+(default: the process group's timeout) it raises ``TimeoutError("shm all_reduce #k: rank 2 did not
+arrive within 30 s ...")``. A rank that raised marks itself aborted, so its peers fail fast too; the
+communicator is unusable afterwards (collective state is lost), like a process group after a timeout.
+
+**Memory ordering.** A writer stores the data (torch kernels), then the flag (an aligned numpy int64
+store, single-copy atomic on x86-64 and AArch64). A reader sees the flag, then loads the data. On x86-64
+(TSO: stores are not reordered with stores, loads not with loads, and the interpreter between the two
+C calls is a compiler barrier) that is enough. Other architectures get ``atomic_thread_fence(seq_cst)``
+from libatomic before every flag store and after every flag load (release/acquire); a communicator of
+two or more ranks refuses to start on a non-x86 machine without libatomic.
+
+**Ops and dtypes.** ``sum mean max min prod`` (comm's ops), ``avg`` (= mean), ``band bor bxor`` (integer
+and bool), or the equivalent ``dist.ReduceOp``; any dtype torch can reduce on CPU: sums of bf16/fp16 are
+accumulated in float32 and rounded once; integers wrap like Gloo's; bool follows Gloo (sum/max/bor =
+any, prod/min/band = all, bxor = parity). Any shape, 0-d, empty, non-contiguous (through a copy).
+Tensors on another device are staged through the segment by ``copy_``.
+
+**Hierarchical all-reduce** (:func:`hierarchical_all_reduce`): node-local shm reduce-scatter, a native
+all-reduce of the chunk among the ranks with the same local index, node-local shm all-gather.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm._common import chunk_bounds
+from paratrain.comm._shm_ops import (
+    OPS,
+    _bounds_hash,
+    _esize,
+    _reduce_rows,
+    _signature,
+    _with_seq,
+    check_op,
+    native_op,
+    normalize_op,
+)
+from paratrain.comm._shm_segment import (
+    _ALIGN,
+    _ARRIVE,
+    _DONE,
+    _REDUCED,
+    DEFAULT_CAPACITY_BYTES,
+    SMALL_BYTES,
+    _Segment,
+)
+from paratrain.comm._shm_sys import SEGMENT_PREFIX
+from paratrain.comm.shm_hier import hierarchical_all_reduce, make_hierarchical_groups
+
+__all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "OPS",
+    "SEGMENT_PREFIX",
+    "SMALL_BYTES",
+    "ShmCommunicator",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "check_op",
+    "close_all",
+    "get_communicator",
+    "hierarchical_all_reduce",
+    "make_hierarchical_groups",
+    "native_op",
+    "normalize_op",
+    "reduce",
+    "reduce_scatter",
+]
+
+
+class ShmCommunicator(_Segment):
+    """Shared-memory collectives among the ranks of ``group`` (all on one host). Creating one is
+    collective: every rank of the group must construct it, in the same order relative to other
+    communicators of that group.
+
+    Args:
+        group: the process group (``None``: the default group; no process group at all: a world of
+            size 1 that does nothing).
+        capacity_bytes: bytes of one slot (rounded up to 64 B); tensors larger than this are processed in
+            pieces. The segment holds 2·(n+1) slots, plus the arenas.
+        timeout_s: how long a rank waits for a peer before raising (default: the group's timeout).
+        arena_bytes: bytes of this rank's arena for :meth:`allocate` (0: none).
+        small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
+        futex: block waiters in ``futex(2)`` (Linux), woken by the publisher; ``False``: sleep-polling.
+        store: a c10d store for the creation handshake (default: the process group's own store).
+        shm_dir: where segments are created (a tmpfs; Linux's ``/dev/shm``).
+    """
+
+    # -- the collectives (group ranks inside; src/dst are global ranks, as in torch) -----------------
+
+    @torch.no_grad()
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over the group into ``tensor`` on every rank (in place; returned)."""
+        return self._reduce(tensor, normalize_op(op), None, "all_reduce")
+
+    @torch.no_grad()
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: Any = "sum") -> torch.Tensor:
+        """Reduce into ``tensor`` on global rank ``dst`` (in place); the others' tensors are unchanged."""
+        return self._reduce(tensor, normalize_op(op), self.peers.group_rank(dst, "dst"), "reduce")
+
+    def _reduce(self, tensor: torch.Tensor, op: str, root: int | None, function: str) -> torch.Tensor:
+        check_op(f"shm {function}", op, tensor.dtype)
+        if self.size == 1 or tensor.numel() == 0:
+            return tensor
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        with self._call(function):
+            self._reduce_flat(buf.view(-1), op, root)
+        if buf is not tensor and (root is None or root == self.rank):
+            tensor.copy_(buf)
+        return tensor
+
+    def _reduce_flat(self, flat: torch.Tensor, op: str, root: int | None) -> None:
+        """all_reduce (``root=None``) or reduce of the contiguous ``flat``, piece by piece (steps 1-4 of
+        the module docstring; a small piece: 1, 2, then every rank reduces it whole)."""
+        n, r, dtype = self.size, self.rank, flat.dtype
+        es, numel = _esize(dtype), flat.numel()
+        per = self.capacity_bytes // es
+        pieces = [(lo, min(numel, lo + per)) for lo in range(0, numel, per)]
+        function = "all_reduce" if root is None else "reduce"
+        sig = _signature(function, op, dtype, numel, -1 if root is None else root, 0, len(pieces))
+        grain = max(1, _ALIGN // es)
+        for p, (lo, hi) in enumerate(pieces):
+            what = (function, p, len(pieces))
+            k, b = self._next()
+            m = hi - lo
+            self._flat(dtype, self._slot(b, r), m).copy_(flat[lo:hi])  # 1. my piece into my slot
+            self._publish(_ARRIVE, k, _with_seq(sig, k) if p == 0 else None)
+            self._wait(_ARRIVE, k, what)  # 2. every rank's piece is in its slot
+            if p == 0:
+                self._check_sig(k, _with_seq(sig, k))
+            if m * es <= self.small_bytes:  # every rank reduces the whole piece: no second barrier
+                if root is None or root == r:
+                    out = flat[lo:hi]
+                    _reduce_rows(self._slots(dtype, b, 0, m), out, op)
+                    if op == "mean":
+                        out.div_(n)
+                continue
+            q = -(-m // n // grain) * grain if m >= n * grain else grain
+            a, c = min(m, r * q), min(m, (r + 1) * q)
+            res = self._flat(dtype, self._res_off + b * self.capacity_bytes, m)
+            if c > a:  # 3. my chunk of the piece, from every slot, into the result buffer
+                _reduce_rows(self._slots(dtype, b, a, c - a), res[a:c], op)
+                if op == "mean":
+                    res[a:c].div_(n)
+            self._publish(_REDUCED, k)
+            if root is None or root == r:
+                self._wait(_REDUCED, k, what)  # 4. every chunk is reduced: copy the piece out
+                flat[lo:hi].copy_(res)
+
+    @torch.no_grad()
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        """torch's ``reduce_scatter_tensor``: ``inp`` is n equal chunks (flat order); ``out`` receives
+        the reduction of chunk ``rank``. Returns ``out``."""
+        op = normalize_op(op)
+        check_op("shm reduce_scatter", op, inp.dtype)
+        n = self.size
+        if out.dtype != inp.dtype or inp.numel() != n * out.numel():
+            raise ValueError(
+                f"shm reduce_scatter: input must have group size ({n}) × output's elements and the same "
+                f"dtype; got input {tuple(inp.shape)} {inp.dtype}, output {tuple(out.shape)} {out.dtype}."
+            )
+        k = out.numel()
+        self.reduce_scatter_flat(inp, [(c * k, (c + 1) * k) for c in range(n)], op, out)
+        return out
+
+    @torch.no_grad()
+    def reduce_scatter_flat(
+        self, inp: torch.Tensor, bounds: Sequence[tuple[int, int]], op: Any, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Reduce the flat ``inp`` over the group; ``out`` (``bounds[rank]``'s length) receives elements
+        ``bounds[rank]`` of the result. ``bounds``: one ``[start, end)`` per rank, the same on every rank."""
+        op = normalize_op(op)
+        check_op("shm reduce_scatter", op, inp.dtype)
+        lo, hi = bounds[self.rank]
+        if out.numel() != hi - lo:
+            raise ValueError(f"shm reduce_scatter: output has {out.numel()} elements, bounds say {hi - lo}.")
+        if self.size == 1:
+            out.copy_(inp.reshape(-1)[lo:hi].view(out.shape))
+            return out
+        src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
+        dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        with self._call("reduce_scatter"):
+            self._reduce_scatter(src, list(bounds), op, dst.view(-1))
+        if dst is not out:
+            out.copy_(dst)
+        return out
+
+    def _reduce_scatter(
+        self, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str, out: torch.Tensor
+    ) -> None:
+        n, r, dtype = self.size, self.rank, flat.dtype
+        es = _esize(dtype)
+        lens = [b - a for a, b in bounds]
+        q = self.capacity_bytes // es // n  # a rank's slot holds one sub-piece of every chunk
+        npieces = -(-max(lens) // q) if max(lens) else 0
+        even = len(set(lens)) == 1 and all(a == c * lens[0] for c, (a, _) in enumerate(bounds))
+        sig = _signature("reduce_scatter", op, dtype, flat.numel(), -1, _bounds_hash(lens), npieces)
+        for p in range(npieces):
+            what = ("reduce_scatter", p, npieces)
+            k, b = self._next()
+            s = p * q
+            mine = self._rows(dtype, self._slot(b, r), q * es, n, q)  # (n, q): sub-slot c for chunk c
+            if even:
+                e = min(lens[0], s + q)
+                mine[:, : e - s].copy_(flat.view(n, lens[0])[:, s:e])
+            else:
+                for c, (a, _) in enumerate(bounds):
+                    e = min(lens[c], s + q)
+                    if e > s:
+                        mine[c, : e - s].copy_(flat[a + s : a + e])
+            self._publish(_ARRIVE, k, _with_seq(sig, k) if p == 0 else None)
+            self._wait(_ARRIVE, k, what)
+            if p == 0:
+                self._check_sig(k, _with_seq(sig, k))
+            e = min(lens[r], s + q)
+            if e > s:
+                _reduce_rows(self._slots(dtype, b, r * q, e - s), out[s:e], op)
+                if op == "mean":
+                    out[s:e].div_(n)
+
+    @torch.no_grad()
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """torch's ``all_gather_into_tensor``: ``out`` (n × ``inp``'s elements, flat order) receives every
+        rank's ``inp`` in group-rank order. Returns ``out``."""
+        n, k = self.size, inp.numel()
+        if out.dtype != inp.dtype or out.numel() != n * k:
+            raise ValueError(
+                f"shm all_gather: output must have group size ({n}) × input's elements and the same dtype; "
+                f"got input {tuple(inp.shape)} {inp.dtype}, output {tuple(out.shape)} {out.dtype}."
+            )
+        return self.all_gather_flat(inp, [(c * k, (c + 1) * k) for c in range(n)], out)
+
+    @torch.no_grad()
+    def all_gather_flat(
+        self, inp: torch.Tensor, bounds: Sequence[tuple[int, int]], out: torch.Tensor
+    ) -> torch.Tensor:
+        """Every rank's flat ``inp`` lands in elements ``bounds[rank]`` of the flat ``out`` (the chunks may
+        differ in length; ``bounds`` is the same on every rank)."""
+        lo, hi = bounds[self.rank]
+        if inp.numel() != hi - lo:
+            raise ValueError(f"shm all_gather: input has {inp.numel()} elements, bounds say {hi - lo}.")
+        dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        if self.size == 1:
+            dst.view(-1)[lo:hi].copy_(inp.reshape(-1))
+        else:
+            src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
+            with self._call("all_gather"):
+                self._all_gather(src, list(bounds), dst.view(-1))
+        if dst is not out:
+            out.copy_(dst)
+        return out
+
+    def _all_gather(self, mine: torch.Tensor, bounds: list[tuple[int, int]], out: torch.Tensor) -> None:
+        n, r, dtype = self.size, self.rank, mine.dtype
+        es = _esize(dtype)
+        lens = [b - a for a, b in bounds]
+        per = self.capacity_bytes // es
+        npieces = -(-max(lens) // per) if max(lens) else 0
+        even = len(set(lens)) == 1 and all(a == c * lens[0] for c, (a, _) in enumerate(bounds))
+        sig = _signature("all_gather", "", dtype, out.numel(), -1, _bounds_hash(lens), npieces)
+        for p in range(npieces):
+            what = ("all_gather", p, npieces)
+            k, b = self._next()
+            s = p * per
+            e = min(lens[r], s + per)
+            if e > s:
+                self._flat(dtype, self._slot(b, r), e - s).copy_(mine[s:e])
+            self._publish(_ARRIVE, k, _with_seq(sig, k) if p == 0 else None)
+            self._wait(_ARRIVE, k, what)
+            if p == 0:
+                self._check_sig(k, _with_seq(sig, k))
+            if even:
+                e = min(lens[0], s + per)
+                out.view(n, lens[0])[:, s:e].copy_(self._slots(dtype, b, 0, e - s))
+            else:
+                for c, (a, _) in enumerate(bounds):
+                    e = min(lens[c], s + per)
+                    if e > s:
+                        out[a + s : a + e].copy_(self._flat(dtype, self._slot(b, c), e - s))
+
+    @torch.no_grad()
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank (in place; returned)."""
+        root = self.peers.group_rank(src, "src")
+        if self.size == 1 or tensor.numel() == 0:
+            return tensor
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat, dtype, r = buf.view(-1), buf.dtype, self.rank
+        per = self.capacity_bytes // _esize(dtype)
+        pieces = [(lo, min(flat.numel(), lo + per)) for lo in range(0, flat.numel(), per)]
+        sig = _signature("broadcast", "", dtype, flat.numel(), root, 0, len(pieces))
+        with self._call("broadcast"):
+            for p, (lo, hi) in enumerate(pieces):
+                what = ("broadcast", p, len(pieces))
+                k, b = self._next()
+                slot = self._flat(dtype, self._slot(b, root), hi - lo)
+                if r == root:
+                    slot.copy_(flat[lo:hi])
+                self._publish(_ARRIVE, k, _with_seq(sig, k) if p == 0 else None)
+                self._wait(_ARRIVE, k, what)
+                if p == 0:
+                    self._check_sig(k, _with_seq(sig, k))
+                if r != root:
+                    flat[lo:hi].copy_(slot)
+        if buf is not tensor:
+            tensor.copy_(buf)
+        return tensor
+
+    @torch.no_grad()
+    def all_reduce_inplace_slot(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        """All-reduce a tensor from :meth:`allocate` where it lies: no copy in, peers read it directly.
+
+        Steps (k = this call's step): ``ARRIVE = k``, wait for every ARRIVE (the signature includes the
+        arena offset); reduce chunk ``rank`` of every rank's copy into this rank's copy; ``REDUCED = k``,
+        wait for every REDUCED; copy the other chunks from their owners' copies; ``DONE = k``, wait for
+        every DONE (after that no peer reads this rank's arena, so the caller may write it again).
+        """
+        op = normalize_op(op)
+        check_op("shm all_reduce_inplace_slot", op, tensor.dtype)
+        if self.size == 1 or tensor.numel() == 0:
+            return tensor
+        dtype, es, n, r = tensor.dtype, tensor.element_size(), self.size, self.rank
+        base = self._u8.data_ptr() + self._arena(r)
+        off = tensor.data_ptr() - base
+        if not tensor.is_contiguous() or not 0 <= off <= self.arena_bytes - tensor.numel() * es:
+            raise ValueError(
+                "shm all_reduce_inplace_slot: the tensor must be a contiguous tensor from this "
+                "communicator's allocate() (use all_reduce for other tensors)."
+            )
+        numel = tensor.numel()
+        sig = _signature("all_reduce_inplace_slot", op, dtype, numel, -1, off, 1)
+        grain = max(1, _ALIGN // es)
+        q = -(-numel // n // grain) * grain if numel >= n * grain else grain
+        bounds = [(min(numel, j * q), min(numel, (j + 1) * q)) for j in range(n)]
+        with self._call("all_reduce_inplace_slot"):
+            what = ("all_reduce_inplace_slot", 0, 1)
+            k, _ = self._next()
+            self._publish(_ARRIVE, k, _with_seq(sig, k))
+            self._wait(_ARRIVE, k, what)
+            self._check_sig(k, _with_seq(sig, k))
+            a, c = bounds[r]
+            block = max(1, (256 << 10) // es)  # reduce through an L2-sized private block
+            scratch = torch.empty(min(block, max(c - a, 1)), dtype=dtype)
+            for s in range(a, c, block):
+                e = min(c, s + block)
+                rows = self._rows(dtype, self._arena(0) + off + s * es, self.arena_bytes, n, e - s)
+                _reduce_rows(rows, scratch[: e - s], op)
+                if op == "mean":
+                    scratch[: e - s].div_(n)
+                tensor.view(-1)[s:e].copy_(scratch[: e - s])
+            self._publish(_REDUCED, k)
+            self._wait(_REDUCED, k, what)
+            flat = tensor.view(-1)
+            for j, (a, c) in enumerate(bounds):
+                if j != r and c > a:
+                    flat[a:c].copy_(self._flat(dtype, self._arena(j) + off + a * es, c - a))
+            self._publish(_DONE, k)
+            self._wait(_DONE, k, what)
+        return tensor
+
+
+# ---------------------------------------------------------------------------------------------------
+# module level: comm's conventions, one cached communicator per group
+
+
+_CACHE: dict[int, tuple[Any, ShmCommunicator]] = {}
+"""id(process group) → (the group, its communicator). The group is held so that its id stays unique."""
+
+
+def get_communicator(group: Any = None, **kwargs: Any) -> ShmCommunicator:
+    """The cached communicator of ``group`` (created on first use: collective, every rank must call).
+
+    ``kwargs`` (``capacity_bytes``, ``timeout_s``, ``arena_bytes``...) apply when it is created. Entries
+    of destroyed process groups are dropped. Strategies that want their own settings (an arena for
+    zero-copy buckets) construct a :class:`ShmCommunicator` themselves instead.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ShmCommunicator(group, **kwargs)
+    pg = group if group is not None else dist.group.WORLD
+    live = dist.distributed_c10d._world.pg_map
+    for key, (g, c) in list(_CACHE.items()):
+        if g not in live:
+            c.close()
+            del _CACHE[key]
+    entry = _CACHE.get(id(pg))
+    if entry is not None and entry[0] is pg and not entry[1].closed:
+        return entry[1]
+    comm = ShmCommunicator(group, **kwargs)
+    _CACHE[id(pg)] = (pg, comm)
+    return comm
+
+
+def close_all() -> None:
+    """Close every cached communicator (registered with ``atexit``)."""
+    for _, comm in list(_CACHE.values()):
+        comm.close()
+    _CACHE.clear()
+
+
+atexit.register(close_all)
+
+
+@torch.no_grad()
+def all_reduce(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the group; every rank ends with the result in ``tensor`` (in place)."""
+    return get_communicator(group).all_reduce(tensor, op)
+
+
+@torch.no_grad()
+def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = "sum", group: Any = None) -> torch.Tensor:
+    """Reduce into ``tensor`` on global rank ``dst`` (in place); the others' tensors are unchanged."""
+    return get_communicator(group).reduce(tensor, dst, op)
+
+
+@torch.no_grad()
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None) -> torch.Tensor:
+    """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of the group (in place)."""
+    return get_communicator(group).broadcast(tensor, src)
+
+
+@torch.no_grad()
+def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape everywhere), concatenated along dim 0 in group-rank order."""
+    if tensor.dim() == 0:
+        raise ValueError("all_gather: a 0-d tensor has no dim 0 to concatenate along; reshape it to (1,).")
+    comm = get_communicator(group)
+    out = torch.empty(
+        (comm.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    return comm.all_gather(out, tensor) if out.numel() else out
+
+
+@torch.no_grad()
+def reduce_scatter(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the group and return ``torch.tensor_split(result, n)[rank]`` along dim 0
+    (parts may differ by one row; some are empty when dim 0 is shorter than the group)."""
+    if tensor.dim() == 0:
+        raise ValueError("reduce_scatter: a 0-d tensor has no dim 0 to split along; reshape it to (1,).")
+    comm = get_communicator(group)
+    rows = chunk_bounds(tensor.shape[0], comm.size)
+    unit = math.prod(tensor.shape[1:])
+    out = torch.empty(
+        (rows[comm.rank][1] - rows[comm.rank][0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    if tensor.numel() == 0:
+        check_op("shm reduce_scatter", normalize_op(op), tensor.dtype)
+        return out
+    return comm.reduce_scatter_flat(tensor, [(a * unit, b * unit) for a, b in rows], op, out)
