@@ -1,14 +1,21 @@
-"""Checkpoint save throughput vs the disk's sequential write speed, and training time blocked per save.
+"""Checkpoint save throughput with and without checksums, vs the disk's write speed; time blocked per async save.
 
-    python benchmarks/bench_checkpoint.py [--size-mb 256] [--world-size 2] [--saves 3] [--dir /tmp] [--json]
+    python benchmarks/bench_checkpoint.py [--size-mb 256] [--world-size 2] [--rounds 5] [--dir /tmp] [--json]
+                                          [--out benchmarks/results/checkpoint_hash.json] [--no-async]
 
 In one run, on the same filesystem:
 1. the disk's sequential write speed: one process writes ``size`` bytes in 8 MiB chunks and fsyncs
-   (what ``dd conv=fsync`` measures);
-2. synchronous saves (DCP, every rank writes its part, fsync, commit): GB/s = checkpoint bytes / save time;
-3. asynchronous saves: the time training is blocked (staging to CPU) and the time until committed.
+   (what ``dd conv=fsync`` measures), before and after the saves;
+2. synchronous saves, **checksummed** (paratrain's :class:`HashingWriter`: every file hashed while written)
+   and **unhashed** (DCP's own ``FileSystemWriter`` file system, as before checksums; the manifest gets
+   sizes from ``stat``), interleaved: round ``i`` runs one save of each, alternating which goes first, so
+   that drift of a shared machine hits both alike. GB/s = checkpoint bytes / save time (every rank writes
+   its part, fsync, commit). Reported: the median of each, and per round the ratio hashed/unhashed
+   throughput (median and spread: that spread is the noise of the comparison);
+3. (unless ``--no-async``) asynchronous saves with checksums: time training is blocked, time to commit.
 The model is a stack of square Linear layers with AdamW state (parameters + 2 moments = 3x the parameter
 bytes), trained one step so the optimizer state exists; ddp replicates it, so DCP writes each tensor once.
+Raw results go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_hash.json"
 
 
 def disk_write_gbps(directory: Path, nbytes: int) -> float:
@@ -42,7 +52,45 @@ def disk_write_gbps(directory: Path, nbytes: int) -> float:
     return written / dt / 1e9
 
 
-def _bench_rank(root: str, size_mb: int, saves: int) -> dict[str, Any]:
+def _unhashed_writer() -> Any:
+    """The baseline: DCP's plain file system (no stream wrapper, no hashing); sizes from ``stat`` after the
+    write, with a placeholder digest, so the manager's commit path is the same as with checksums."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from paratrain.checkpoint.integrity import FileDigest, HashingWriter, _DigestReport
+
+    class Unhashed(HashingWriter):
+        def __init__(self, path: Any, **kw: Any) -> None:
+            super().__init__(path, **kw)
+            self.fs = FileSystem()
+
+        def _sizes(self, names: list[str]) -> dict[str, FileDigest]:
+            return {n: FileDigest((Path(self.path) / n).stat().st_size, "-") for n in names}
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            fut = FileSystemWriter.write_data(self, plan, planner)
+            fut.wait()
+            mine = [p.name for p in Path(self.path).glob(f"{plan.storage_data.prefix}*.distcp")]
+            report = _DigestReport(self.hash_rank, {**self.extra, **self._sizes(mine)})
+            fut.value().append(report)
+            return fut
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            digests: dict[str, FileDigest] = {}
+            for rank_results in results:
+                for r in [r for r in rank_results if isinstance(r, _DigestReport)]:
+                    digests.update(r.digests)
+                    rank_results.remove(r)
+            FileSystemWriter.finish(self, metadata, results)
+            self.all_digests = {**digests, **self._sizes([".metadata"])}
+
+    return Unhashed
+
+
+def _bench_rank(
+    root: str, size_mb: int, rounds: int, with_async: bool, algorithm: str | None
+) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,11 +104,43 @@ def _bench_rank(root: str, size_mb: int, saves: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, width)).sum().backward()
     opt.step()
-    out: dict[str, Any] = {"layers": layers}
-    for mode in ("sync", "async"):
-        mgr = CheckpointManager(Path(root) / mode, ctx, keep_last=1, async_save=mode == "async")
+    managers = {
+        "hashed": CheckpointManager(Path(root) / "hashed", ctx, keep_last=1, checksum_algorithm=algorithm),
+        "unhashed": CheckpointManager(
+            Path(root) / "unhashed", ctx, keep_last=1, writer_factory=_unhashed_writer()
+        ),
+    }
+    times: dict[str, list[float]] = {"hashed": [], "unhashed": []}
+    cpu: dict[str, list[float]] = {"hashed": [], "unhashed": []}
+    for step in range(1, rounds + 2):  # round 0 warms up both (first-touch allocations, page cache)
+        order = ["hashed", "unhashed"] if step % 2 else ["unhashed", "hashed"]
+        for mode in order:
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            managers[mode].save(step, model, opt, {"bench": True})
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if step > 1:
+                times[mode].append(dt)
+                cpu[mode].append(dc)
+    nbytes = {
+        mode: sum(
+            f.stat().st_size for f in (Path(root) / mode / f"step_{rounds + 1:08d}").rglob("*") if f.is_file()
+        )
+        for mode in managers
+    }
+    out: dict[str, Any] = {
+        "layers": layers,
+        "sync_s": times,
+        "cpu_s": cpu,
+        "bytes": nbytes,
+        "algorithm": managers["hashed"].checksum_algorithm,
+    }
+    if with_async:
+        mgr = CheckpointManager(
+            Path(root) / "async", ctx, keep_last=1, async_save=True, checksum_algorithm=algorithm
+        )
         blocked, total = [], []
-        for s in range(1, saves + 1):
+        for s in range(1, rounds + 1):
             dist.barrier()
             t0 = time.perf_counter()
             mgr.save(s, model, opt, {"bench": True})
@@ -68,13 +148,7 @@ def _bench_rank(root: str, size_mb: int, saves: int) -> dict[str, Any]:
             mgr.wait()
             total.append(time.perf_counter() - t0)
         mgr.close()
-        step = Path(root) / mode / f"step_{saves:08d}"
-        nbytes = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
-        out[mode] = {
-            "blocked_s": statistics.median(blocked),
-            "save_s": statistics.median(total),
-            "bytes": nbytes,
-        }
+        out["async"] = {"blocked_s": statistics.median(blocked), "save_s": statistics.median(total)}
     return out
 
 
@@ -82,8 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=int, default=256, help="model + optimizer state in MiB (default 256)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--saves", type=int, default=3, help="saves per mode; medians are reported")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (one save of each kind); >= 5")
     p.add_argument("--dir", default=None, help="directory on the filesystem to measure (default: a temp dir)")
+    p.add_argument("--out", default=str(RESULTS), help="where to store the raw JSON ('' for nowhere)")
+    p.add_argument("--no-async", action="store_true", help="skip the async measurement")
+    p.add_argument(
+        "--algorithm",
+        default=None,
+        help="checksum algorithm (crc32, xxh3-128, blake2b-128; default: paratrain's)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -91,49 +172,74 @@ def main(argv: list[str] | None = None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="paratrain-ckpt-bench-", dir=args.dir))
     try:
-        # the disk is measured before and after the saves (3 times in all; a shared VM disk is noisy)
         disks = [disk_write_gbps(base, args.size_mb << 20) for _ in range(2)]
-        r = run_distributed(
-            _bench_rank, args.world_size, args=(str(base), args.size_mb, args.saves), timeout_s=600
-        )[0]
+        ranks = run_distributed(
+            _bench_rank,
+            args.world_size,
+            args=(str(base), args.size_mb, args.rounds, not args.no_async, args.algorithm),
+            timeout_s=600,
+        )
+        r = ranks[0]
         disks.append(disk_write_gbps(base, args.size_mb << 20))
-        disk = statistics.median(disks)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    rows = []
-    for mode in ("sync", "async"):
-        m = r[mode]
-        rows.append(
-            {
-                "mode": mode,
-                "checkpoint_mb": m["bytes"] / 2**20,
-                "save_s": m["save_s"],
-                "blocked_s": m["blocked_s"],
-                "save_gbps": m["bytes"] / m["save_s"] / 1e9,
-                "vs_disk": m["bytes"] / m["save_s"] / 1e9 / disk,
-            }
-        )
-    result = {
+    disk = statistics.median(disks)
+    gbps = {m: [r["bytes"][m] / t / 1e9 for t in r["sync_s"][m]] for m in ("hashed", "unhashed")}
+    ratios = [h / u for h, u in zip(gbps["hashed"], gbps["unhashed"], strict=True)]
+    # CPU seconds of one save, summed over ranks: the work hashing adds, much less noisy than wall time on a
+    # shared machine (there, a CPU second can cost several wall seconds)
+    cpu = {
+        m: [sum(x["cpu_s"][m][i] for x in ranks) for i in range(args.rounds)] for m in ("hashed", "unhashed")
+    }
+    result: dict[str, Any] = {
+        "command": "python benchmarks/bench_checkpoint.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "world_size": args.world_size,
+        "algorithm": r["algorithm"],
+        "checkpoint_mb": r["bytes"]["hashed"] / 2**20,
+        "rounds": args.rounds,
         "disk_seq_write_gbps": disk,
         "disk_runs_gbps": disks,
-        "world_size": args.world_size,
-        "rows": rows,
-        "async_blocked_vs_sync": rows[1]["blocked_s"] / rows[0]["blocked_s"],
+        "sync_s": r["sync_s"],
+        "sync_gbps": gbps,
+        "hashed_gbps_median": statistics.median(gbps["hashed"]),
+        "unhashed_gbps_median": statistics.median(gbps["unhashed"]),
+        "ratio_per_round": ratios,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "cpu_s": cpu,
+        "cpu_ratio_median": statistics.median(cpu["hashed"]) / statistics.median(cpu["unhashed"]),
+        "async": r.get("async"),
+        "cpu_count": os.cpu_count(),
+        "load_avg": os.getloadavg(),
     }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))
         return 0
     print(
         f"disk sequential write (1 process, fsync): median {disk:.2f} GB/s of "
-        f"{', '.join(f'{d:.2f}' for d in disks)}; world size {args.world_size}"
+        f"{', '.join(f'{d:.2f}' for d in disks)}; world size {args.world_size}; "
+        f"checkpoint {result['checkpoint_mb']:.1f} MiB; {args.rounds} interleaved rounds; checksums: {r['algorithm']}"
     )
-    print(f"{'mode':>6} {'ckpt MiB':>9} {'save s':>8} {'blocked s':>10} {'GB/s':>6} {'vs disk':>8}")
-    for row in rows:
+    print(f"{'sync save':>10} {'median s':>9} {'GB/s':>6} {'vs disk':>8} {'CPU s':>6}  per round GB/s")
+    for mode in ("unhashed", "hashed"):
+        g = statistics.median(gbps[mode])
         print(
-            f"{row['mode']:>6} {row['checkpoint_mb']:>9.1f} {row['save_s']:>8.3f} {row['blocked_s']:>10.3f} "
-            f"{row['save_gbps']:>6.2f} {row['vs_disk']:>7.0%}"
+            f"{mode:>10} {statistics.median(r['sync_s'][mode]):>9.3f} {g:>6.2f} {g / disk:>7.0%} "
+            f"{statistics.median(cpu[mode]):>6.3f}  " + " ".join(f"{v:.2f}" for v in gbps[mode])
         )
-    print(f"training blocked per save: async / sync = {result['async_blocked_vs_sync']:.2f}")
+    print(
+        f"throughput with checksums / without: median {result['ratio_median']:.3f} "
+        f"(per round {result['ratio_min']:.3f} .. {result['ratio_max']:.3f}); "
+        f"CPU seconds per save with / without: {result['cpu_ratio_median']:.3f}"
+    )
+    if r.get("async"):
+        a = r["async"]
+        print(f"async (checksummed): blocked {a['blocked_s']:.3f} s, until committed {a['save_s']:.3f} s")
     return 0
 
 

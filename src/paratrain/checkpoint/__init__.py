@@ -3,6 +3,7 @@
 from paratrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
+    DamagedCheckpointError,
     find_latest_valid,
     is_valid_checkpoint,
     step_dir_name,
@@ -11,6 +12,7 @@ from paratrain.checkpoint.manager import (
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "DamagedCheckpointError",
     "find_latest_valid",
     "is_valid_checkpoint",
     "step_dir_name",

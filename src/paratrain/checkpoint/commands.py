@@ -1,4 +1,8 @@
-"""``paratrain ckpt inspect DIR [--json]`` and ``paratrain ckpt export STEP_DIR OUT.safetensors``."""
+"""``paratrain ckpt inspect DIR [--fast] [--json]`` and ``paratrain ckpt export STEP_DIR OUT.safetensors [--force]``.
+
+Bad input (a missing path, a plain file given as a directory, an existing output) raises ``ConfigError``:
+the CLI prints one line and exits 2.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,15 @@ def add_ckpt_commands(sub: Any) -> None:
         "inspect", help="steps, sizes, world size, strategy and validity of a checkpoint directory"
     )
     q.add_argument("dir", help="checkpoint directory (with step_NNNNNNNN/ inside) or one step directory")
+    q.add_argument(
+        "--fast", action="store_true", help="check sizes only; do not read every file to compare its checksum"
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_inspect)
     q = ck.add_parser("export", help="write the consolidated full model of a checkpoint as safetensors")
     q.add_argument("step_dir", help="a committed step_NNNNNNNN directory")
     q.add_argument("out", help="output .safetensors file")
+    q.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_export)
 
@@ -26,7 +34,7 @@ def add_ckpt_commands(sub: Any) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from paratrain.checkpoint.inspect import format_inspect, inspect_dir
 
-    info = inspect_dir(args.dir)
+    info = inspect_dir(args.dir, fast=args.fast)
     print(json.dumps(info) if args.json else format_inspect(info))
     return 0
 
@@ -34,7 +42,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from paratrain.checkpoint.inspect import export_safetensors
 
-    info = export_safetensors(args.step_dir, args.out)
+    info = export_safetensors(args.step_dir, args.out, force=args.force)
     print(
         json.dumps(info)
         if args.json

@@ -1,88 +1,119 @@
 """``paratrain ckpt inspect``, ``paratrain ckpt export`` and the resume check done before any worker starts.
 
 Everything here runs in one process without a process group: it reads ``commit.json``, ``train_state.json``
-and ``.metadata`` (with the restricted unpickler of :mod:`paratrain.checkpoint.safe`).
+and ``.metadata`` (with the restricted unpickler of :mod:`paratrain.checkpoint.safe`), and by default every
+file's bytes, to compare their checksums (``fast=True``: sizes only).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from paratrain.checkpoint import safe
-from paratrain.checkpoint.manager import (
+from paratrain.checkpoint.layout import (
+    LATEST_FILE,
+    candidates,
     check_checkpoint,
     compare_state,
     find_latest_valid,
     list_checkpoints,
     mismatch_message,
+    read_latest,
     step_of,
 )
-from paratrain.config import ConfigError, RunConfig
+from paratrain.checkpoint.state import TRAIN_STATE_FILE, check_train_state
+from paratrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from paratrain.config import RunConfig
 
 
 def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def describe(path: str | Path) -> dict[str, Any]:
-    """One checkpoint directory: step, size, world size, strategy, model, validity and its problems."""
-    p = Path(path)
-    problems = check_checkpoint(p)
-    state: dict[str, Any] = {}
+def _read_state(p: Path) -> dict[str, Any]:
+    """The training state for display: what parses with the right types, else nothing (never raises)."""
     try:
-        state = json.loads((p / "train_state.json").read_text())
-    except (OSError, ValueError):
-        pass
+        state = json.loads((p / TRAIN_STATE_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if check_train_state(state):
+        return {}
+    return state  # type: ignore[no-any-return]
+
+
+def describe(path: str | Path, fast: bool = False) -> dict[str, Any]:
+    """One checkpoint directory: step, size, world size, strategy, model, validity and its problems
+    (checksums compared unless ``fast``)."""
+    p = Path(path)
+    problems = check_checkpoint(p, verify=not fast)
+    state = _read_state(p)
     cfg = state.get("config", {})
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
     return {
         "path": str(p),
         "step": step_of(p) if step_of(p) is not None else state.get("step"),
         "bytes": _dir_bytes(p) if p.is_dir() else 0,
         "world_size": state.get("world_size"),
         "strategy": state.get("strategy"),
-        "model": cfg.get("model", {}).get("name"),
+        "model": model.get("name"),
         "valid": not problems,
+        "verified": not fast,
         "problems": problems,
     }
 
 
-def inspect_dir(root: str | Path) -> dict[str, Any]:
+def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
     """A checkpoint directory (or one step directory): every step, what ``latest`` names, what auto-resume
-    would load, and saves that never finished (temporary directories)."""
+    would load, and saves that never finished (temporary directories). ``fast``: sizes, not checksums."""
     r = Path(root)
     if not r.exists():
         raise ConfigError(f"{r} does not exist. Give a checkpoint directory (e.g. runs/NAME/checkpoints).")
+    if not r.is_dir():
+        raise ConfigError(
+            f"{r} is a file, not a checkpoint directory. Give a checkpoint directory (with step_NNNNNNNN/ "
+            "inside) or one step directory."
+        )
     if step_of(r) is not None:
         return {
             "root": str(r.parent),
-            "checkpoints": [describe(r)],
+            "checkpoints": [describe(r, fast)],
             "latest": None,
+            "latest_problem": None,
             "resume_auto": None,
             "in_progress": [],
         }
-    latest = (r / "latest").read_text().strip() if (r / "latest").is_file() else None
-    auto = find_latest_valid(r)
+    named, why = read_latest(r)
+    described = {p: describe(p, fast) for p in list_checkpoints(r)}
+    # what --resume auto would pick, from the checks just made (each checkpoint is read once)
+    auto = next((p for p in candidates(r) if p in described and described[p]["valid"]), None)
     return {
         "root": str(r),
-        "checkpoints": [describe(p) for p in list_checkpoints(r)],
-        "latest": latest,
+        "checkpoints": list(described.values()),
+        "latest": named.name if named is not None else None,
+        "latest_problem": f"{LATEST_FILE} {why}" if why else None,
         "resume_auto": str(auto) if auto else None,
-        "in_progress": sorted(p.name for p in r.glob(".step_*.tmp")),
+        "in_progress": sorted(p.name for p in r.glob(".step_*.tmp*")),
     }
 
 
 def format_inspect(info: dict[str, Any]) -> str:
     lines = [f"{info['root']}: latest -> {info['latest']}, --resume auto loads {info['resume_auto']}"]
+    if info.get("latest_problem"):
+        lines.append(f"warning: {info['latest_problem']}")
     lines.append(f"{'step':>10} {'size':>10} {'world':>5} {'strategy':>9} {'model':>8}  status")
     for c in info["checkpoints"]:
-        status = "valid" if c["valid"] else "INVALID: " + "; ".join(c["problems"])
+        ok = "valid" if c.get("verified", True) else "valid (sizes only: --fast)"
+        status = ok if c["valid"] else "INVALID: " + "; ".join(c["problems"])
         lines.append(
             f"{c['step']!s:>10} {c['bytes'] / 2**20:>8.2f}Mi {c['world_size']!s:>5} "
             f"{c['strategy']!s:>9} {c['model']!s:>8}  {status}"
@@ -92,13 +123,25 @@ def format_inspect(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def export_safetensors(step_dir: str | Path, out: str | Path) -> dict[str, Any]:
-    """Consolidate the model of a (sharded) checkpoint into one ``.safetensors`` file of full tensors."""
+def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = False) -> dict[str, Any]:
+    """Consolidate the model of a (sharded) checkpoint into one ``.safetensors`` file of full tensors.
+
+    The checkpoint is verified (checksums included) first. An existing ``out`` is refused unless ``force``
+    (a directory never: it would be replaced by a file). The file is written to a temporary name and renamed.
+    """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     p = Path(step_dir)
+    dest = Path(out)
+    if dest.is_dir():
+        raise ConfigError(f"{dest} is a directory. Give the path of the .safetensors file to write.")
+    if dest.exists() and not force:
+        raise ConfigError(f"{dest} already exists. Give another path, or --force to overwrite it.")
+    if not p.is_dir():
+        raise ConfigError(f"{p} is not a directory. Give a committed step_NNNNNNNN directory.")
     problems = check_checkpoint(p)
     if problems:
         raise ConfigError(f"{p} is not a usable checkpoint: {'; '.join(problems)}")
@@ -110,21 +153,39 @@ def export_safetensors(step_dir: str | Path, out: str | Path) -> dict[str, Any]:
     # DCP assembles every shard written by every rank into these full tensors (no process group needed).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-        dcp.load(
-            {"model": model},
-            storage_reader=safe.SafeFileSystemReader(str(p)),
-            planner=safe.SafeLoadPlanner(),
-            no_dist=True,
-        )
-    state = json.loads((p / "train_state.json").read_text())
+        try:
+            dcp.load(
+                {"model": model},
+                storage_reader=safe.SafeFileSystemReader(str(p)),
+                planner=safe.SafeLoadPlanner(),
+                no_dist=True,
+            )
+        except (Exception, CheckpointException) as e:  # DCP wraps every error in a CheckpointException
+            damaged = safe.first_cause(e, safe.DamagedFileError)
+            why = (
+                f"file {damaged.file}): {damaged.reason}"
+                if damaged
+                else f"while reading): {type(e).__name__}"
+            )
+            raise ConfigError(f"checkpoint {p} is damaged ({why}") from None
+    state = _read_state(p)
+    cfg = state.get("config", {})
     meta_out = {
         "step": str(state.get("step")),
         "strategy": str(state.get("strategy")),
-        "model": json.dumps(state.get("config", {}).get("model", {})),
+        "model": json.dumps(cfg.get("model", {}) if isinstance(cfg, dict) else {}),
         "format": "pt",
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.items()}, str(out), metadata=meta_out)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.items()}, str(tmp), metadata=meta_out)
+        os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            f"cannot write {dest}: {e.strerror}. Give a writable path with free space."
+        ) from None
     return {
         "out": str(out),
         "tensors": len(model),
@@ -132,11 +193,14 @@ def export_safetensors(step_dir: str | Path, out: str | Path) -> dict[str, Any]:
     }
 
 
-def preflight_resume(cfg: RunConfig, meta_model: nn.Module, run_dir: str | Path | None = None) -> Path | None:
+def preflight_resume(
+    cfg: RunConfig, meta_model: nn.Module, run_dir: str | Path | None = None, verify: bool = True
+) -> Path | None:
     """The checkpoint the workers will resume from, checked against the model before any process starts.
 
     Raises :class:`ConfigError` listing every mismatch (missing/unexpected keys, shapes), or the problems of
     an explicitly given broken checkpoint. With ``--resume auto`` broken checkpoints are skipped (reported).
+    ``verify``: compare checksums too (reads the checkpoint once; the workers verify again, split among ranks).
     """
     mode = cfg.checkpoint.resume
     if mode == "never":
@@ -149,12 +213,12 @@ def preflight_resume(cfg: RunConfig, meta_model: nn.Module, run_dir: str | Path 
         def skipped(p: Path, problems: list[str]) -> None:
             print(f"paratrain: warning: skipping checkpoint {p}: {'; '.join(problems)}", file=sys.stderr)
 
-        path = find_latest_valid(root, on_skip=skipped)
+        path = find_latest_valid(root, on_skip=skipped, verify=verify)
         if path is None:
             return None
     else:
         path = Path(mode)
-        problems = check_checkpoint(path)
+        problems = check_checkpoint(path, verify=verify)
         if problems:
             raise ConfigError(
                 f"--resume {mode}: not a usable checkpoint: {'; '.join(problems)}. Give a committed step_NNNNNNNN "

@@ -1,24 +1,32 @@
-"""Checkpoint manager: ``DIR/step_NNNNNNNN/`` directories written by DCP and committed atomically.
+"""Checkpoint manager: ``DIR/step_NNNNNNNN/`` directories written by DCP, checksummed, committed atomically.
 
 Save protocol (every rank takes part; ``async`` differences in brackets):
 
-1. rank 0 creates ``DIR/.step_NNNNNNNN.tmp/`` (removing a leftover of a crashed save); barrier;
-2. each rank writes its RNG states (``rng/rank_NNNNN.pt``, tensors only); rank 0 writes
-   ``train_state.json`` (step, sampler position, scheduler, scaler, logged losses, config, world size);
-3. ``torch.distributed.checkpoint.save`` writes the model and optimizer state dicts: each rank writes its
-   own shards in parallel (replicated tensors are written once, by one rank), the coordinator gathers
-   every rank's write result and writes ``.metadata`` last. So when the save returns on rank 0, every
-   rank's files are on disk (step 2 happened before each rank entered step 3).
+1. rank 0 creates ``DIR/.step_NNNNNNNN.tmp-<job>/`` (a name unique to the job, so two jobs never share a
+   temporary name; a leftover of this job's crashed save is removed) and broadcasts its name, or its error,
+   so every rank fails together on a full or read-only disk;
+2. each rank serializes its RNG states (``rng/rank_NNNNN.pt``, tensors only) and rank 0 the training state
+   (``train_state.json``) to memory, hashes the bytes and writes them; an error here is handed to the
+   rank's storage writer, which raises it inside DCP's write step, so again every rank fails together;
+3. ``torch.distributed.checkpoint.save`` writes the model and optimizer state dicts through
+   :class:`~paratrain.checkpoint.integrity.HashingWriter`: each rank writes (and hashes, in the same pass)
+   its own shards in parallel; the coordinator gathers every rank's write results, which carry that rank's
+   ``{file: (size, checksum)}``, and writes (and hashes) ``.metadata`` last. So when the save returns on
+   rank 0, every rank's files are on disk and rank 0 holds every checksum.
    [async: ``dcp.async_save`` copies the state dicts to CPU (the only part that blocks training) and writes
    in a background thread, on a separate Gloo group so its collectives never interleave with training's];
-4. rank 0 commits: writes ``commit.json`` (the size of every file), renames the temporary directory to its
-   final name, fsyncs ``DIR``, replaces ``DIR/latest`` atomically, applies retention; barrier.
-   [async: rank 0 commits when it sees its future done, polled once per step; a failed background write
-   is agreed on by all ranks through the per-step flag reduction and raised on every rank at one step.]
+4. rank 0 commits: writes ``commit.json`` (size and checksum of every file), renames the temporary directory
+   to its final name, fsyncs ``DIR``, replaces ``DIR/latest`` atomically (through ``latest.tmp-<job>-<pid>``),
+   applies retention, and broadcasts the outcome (the barrier every rank waits in).
+   [async: rank 0 commits when it sees its future done, polled once per step; a failed background write or
+   commit is agreed on by all ranks through the per-step flag reduction and raised on every rank at one step.]
+On any failure the temporary directory is removed; a full disk is reported as such, naming the file.
 
-A directory is loaded only if it is a final ``step_*`` name whose ``commit.json`` lists files that all exist
-with their recorded sizes and whose ``.metadata`` only points inside them (:func:`check_checkpoint`).
-Loading never unpickles arbitrary objects (:mod:`paratrain.checkpoint.safe`).
+Loading (:meth:`CheckpointManager.load`) first verifies the checkpoint (:func:`~paratrain.checkpoint.layout.check_checkpoint`)
+with the hashing split among the ranks and the answers combined, so all ranks agree; then it reads this
+rank's RNG state and the training state (validated), and only then lets DCP read tensors. Nothing is
+unpickled (:mod:`paratrain.checkpoint.safe`). Any damage is one :class:`DamagedCheckpointError` naming the
+file, on every rank; :meth:`CheckpointManager.load_latest_valid` falls back to an older checkpoint instead.
 
 Reference: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
@@ -26,10 +34,11 @@ Reference: https://pytorch.org/docs/stable/distributed.checkpoint.html
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
 import os
 import re
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,140 +50,78 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.checkpoint import safe
-from paratrain.checkpoint.state import FORMAT_VERSION, load_rank_state, save_rank_state
-from paratrain.diagnose.faults import storage_writer_for
+from paratrain.checkpoint.integrity import (
+    COMMIT_FILE,
+    FileDigest,
+    HashingWriter,
+    default_algorithm,
+    manifest_json,
+    new_hasher,
+    write_file_hashed,
+)
+from paratrain.checkpoint.layout import (
+    LATEST_FILE,
+    SkipFn,
+    candidates,
+    check_checkpoint,
+    compare_state,
+    find_latest_valid,
+    is_valid_checkpoint,
+    list_checkpoints,
+    mismatch_message,
+    model_shapes,
+    read_latest,
+    step_dir_name,
+    step_of,
+)
+from paratrain.checkpoint.state import (
+    FORMAT_VERSION,
+    TRAIN_STATE_FILE,
+    load_rank_state,
+    read_train_state,
+    save_rank_state,
+    write_train_state,
+)
 from paratrain.runtime import Context
 
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-COMMIT_FILE = "commit.json"
 StateFns = tuple[Callable[..., Any], Callable[..., Any]]
+WriterFactory = Callable[..., HashingWriter]
+"""Called like :class:`HashingWriter` (``path, rank=, extra=, algorithm=``); a subclass of it is one."""
+
+__all__ = [
+    "COMMIT_FILE",
+    "CheckpointError",
+    "CheckpointManager",
+    "DamagedCheckpointError",
+    "Loaded",
+    "check_checkpoint",
+    "compare_state",
+    "find_latest_valid",
+    "is_valid_checkpoint",
+    "list_checkpoints",
+    "mismatch_message",
+    "model_shapes",
+    "read_latest",
+    "step_dir_name",
+    "step_of",
+]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
+    """A checkpoint that cannot be used or saved; the message says which and why."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+class DamagedCheckpointError(CheckpointError):
+    """The checkpoint's files are not what was written (corrupt, partial, tampered): ``--resume auto``
+    falls back to an older one. (A checkpoint of another model is a plain :class:`CheckpointError`.)"""
 
-
-def step_of(path: str | Path) -> int | None:
-    m = _STEP_RE.match(Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Final-named step directories under ``root`` (committed or not), oldest first."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    found = [p for p in r.iterdir() if p.is_dir() and _STEP_RE.match(p.name)]
-    return sorted(found, key=lambda p: step_of(p) or 0)
-
-
-def check_checkpoint(path: str | Path) -> list[str]:
-    """Every reason ``path`` is not a usable committed checkpoint (empty list: it is valid)."""
-    p = Path(path)
-    if not _STEP_RE.match(p.name):
-        return [f"{p.name!r} is not a step_NNNNNNNN directory name"]
-    if not p.is_dir():
-        return ["does not exist"]
-    commit = p / COMMIT_FILE
-    if not commit.is_file():
-        return [f"no {COMMIT_FILE}: the save never finished (partial checkpoint)"]
-    problems = []
-    try:
-        files = json.loads(commit.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return [f"{COMMIT_FILE} is unreadable ({e})"]
-    for rel, size in sorted(files.items()):
-        f = p / rel
-        if not f.is_file():
-            problems.append(f"{rel} is missing")
-        elif f.stat().st_size != size:
-            problems.append(
-                f"{rel} has {f.stat().st_size} bytes, {size} were written (truncated or modified)"
-            )
-    if problems:
-        return problems
-    try:
-        md = safe.read_metadata(p)
-    except Exception as e:
-        return [f".metadata is unreadable: {type(e).__name__}: {e}"]
-    for idx, info in (md.storage_data or {}).items():
-        rel = str(info.relative_path)
-        if files.get(rel, -1) < info.offset + info.length:
-            problems.append(f"{idx.fqn} points past the end of {rel}")
-            break
-    return problems
-
-
-def is_valid_checkpoint(path: str | Path) -> bool:
-    return not check_checkpoint(path)
-
-
-def find_latest_valid(
-    root: str | Path, on_skip: Callable[[Path, list[str]], None] | None = None
-) -> Path | None:
-    """The checkpoint ``--resume auto`` loads: ``latest`` when valid, else the newest valid step directory.
-
-    ``on_skip(path, problems)`` is called for every invalid checkpoint passed over (corrupt, partial).
-    """
-    r = Path(root)
-    seen: set[Path] = set()
-    latest = r / "latest"
-    if latest.is_file():
-        named = r / latest.read_text().strip()
-        if named.is_dir():
-            problems = check_checkpoint(named)
-            if not problems:
-                return named
-            seen.add(named)
-            if on_skip is not None:
-                on_skip(named, problems)
-    for p in reversed(list_checkpoints(r)):
-        if p in seen:
-            continue
-        problems = check_checkpoint(p)
-        if not problems:
-            return p
-        if on_skip is not None:
-            on_skip(p, problems)
-    return None
-
-
-def compare_state(md: Any, expected: dict[str, torch.Size], prefix: str = "model") -> list[str]:
-    """Mismatches between a checkpoint's ``prefix.*`` tensors and ``expected`` {name: global shape}."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved = {k[len(prefix) + 1 :]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix + ".")}
-    out = []
-    for name, shape in expected.items():
-        if name not in saved:
-            out.append(f"missing in checkpoint: {name} {tuple(shape)}")
-        elif isinstance(saved[name], TensorStorageMetadata) and tuple(saved[name].size) != tuple(shape):
-            out.append(
-                f"shape mismatch: {name} is {tuple(saved[name].size)} in the checkpoint, {tuple(shape)} in the model"
-            )
-    for name, meta in saved.items():
-        if name not in expected:
-            size = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else ""
-            out.append(f"unexpected in checkpoint (not in the model): {name} {size}".rstrip())
-    return out
-
-
-def model_shapes(model_sd: dict[str, Any]) -> dict[str, torch.Size]:
-    return {k: v.shape for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
-
-
-def mismatch_message(path: Path | str, mismatches: list[str]) -> str:
-    lines = "\n  ".join(mismatches)
-    return (
-        f"checkpoint {path} does not match this model ({len(mismatches)} mismatch(es)):\n  {lines}\n"
-        "Resume with the same --model and model settings, point --ckpt-dir elsewhere, or use --resume never."
-    )
+    def __init__(self, message: str, model_touched: bool = False) -> None:
+        super().__init__(message)
+        self.model_touched = model_touched
+        """True when the failure came after tensors were already copied into the model/optimizer."""
 
 
 @dataclass
@@ -185,13 +132,30 @@ class Loaded:
     """This rank's RNG/generator tensors; ``None`` when the checkpoint had no file for this rank."""
 
 
-def _default_state_fns() -> StateFns:
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+def _default_state_fns(flatten: bool = True) -> StateFns:
+    """DCP's state-dict functions. ``flatten``: optimizer state keyed ``state.<fqn>.<key>`` and
+    ``param_groups.<fqn>.<key>`` (format 2). Each rank then saves exactly its own parameters' entries, which a
+    pipeline stage needs (the nested form keeps one rank's ``param_groups.N.params`` list, so stages holding
+    different parameters could not load it). Format-1 checkpoints were saved nested."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+    def _get(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        return get_state_dict(model, optimizer, options=options)
 
     def _set(model: nn.Module, optimizer: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(
+            model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+        )
 
-    return get_state_dict, _set
+    return _get, _set
+
+
+def default_job_id() -> str:
+    """``PARATRAIN_JOB_ID`` (the launcher sets it to the id it locked the directory with), else ``host-pid``
+    of this process: unique among live processes. (Not torchrun's run id: it is ``none`` by default.)"""
+    return os.environ.get("PARATRAIN_JOB_ID") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 class CheckpointManager:
@@ -199,7 +163,9 @@ class CheckpointManager:
 
     ``state_fns`` is ``(get(model, optim) -> (model_sd, optim_sd), set(model, optim, model_sd, optim_sd))``;
     the default is DCP's ``get_state_dict``/``set_state_dict``, which yield FQN-keyed (and, for sharded
-    strategies, DTensor) state that DCP reshards across world sizes and strategies.
+    strategies, DTensor) state that DCP reshards across world sizes and strategies. ``job_id`` makes the
+    temporary names unique (default :func:`default_job_id`, rank 0's counts); ``writer_factory`` replaces
+    the storage writer (fault injection: a :class:`HashingWriter` subclass).
     """
 
     def __init__(
@@ -209,13 +175,25 @@ class CheckpointManager:
         keep_last: int | None = None,
         async_save: bool = False,
         state_fns: StateFns | None = None,
+        *,
+        job_id: str | None = None,
+        writer_factory: WriterFactory | None = None,
+        checksum_algorithm: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.ctx = ctx
         self.keep_last = keep_last
         self._get, self._set = state_fns or _default_state_fns()
+        self._custom_state_fns = state_fns is not None
+        self.job_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id or default_job_id())[:64]
+        self.writer_factory: WriterFactory = writer_factory or HashingWriter
+        if checksum_algorithm is not None:
+            new_hasher(checksum_algorithm)  # an unknown or unavailable algorithm fails here, not at a save
+        self.checksum_algorithm = checksum_algorithm or default_algorithm()
+        """Rank 0's choice is used by every rank (sent with the temporary directory's name)."""
         self.blocked_s: list[float] = []
         """Seconds training was blocked by each save (sync: the whole save; async: staging only)."""
+        self._verified: set[tuple[str, int, int, int]] = set()
         self._async = None
         if async_save:
             from paratrain.checkpoint.async_save import AsyncSaver
@@ -231,38 +209,73 @@ class CheckpointManager:
         train_state: dict[str, Any],
         rank_state: dict[str, torch.Tensor] | None = None,
     ) -> Path:
-        """Save step ``step``; returns the final path (committed on return unless saving asynchronously)."""
+        """Save step ``step``; returns the final path (committed on return unless saving asynchronously).
+
+        Raises :class:`CheckpointError` on every rank when any rank fails (the temporary directory removed).
+        """
         t0 = time.perf_counter()
         if self._async is not None:
             self._async.wait()  # one save in flight: the previous one must be committed first
         final = self.root / step_dir_name(step)
-        tmp = self.root / f".{final.name}.tmp"
-        if self.ctx.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left over by a crashed save: never committed, never loaded
-            tmp.mkdir()
-        self.ctx.barrier()
-        save_rank_state(tmp, self.ctx.rank, rank_state or {})
-        if self.ctx.is_main:
-            state = dict(train_state, step=step, world_size=self.ctx.world_size, format=FORMAT_VERSION)
-            _write_json_atomic(tmp / "train_state.json", state)
+        tmp, algorithm = self._make_tmp(final)
+        writer = self.writer_factory(tmp, rank=self.ctx.rank, algorithm=algorithm)
+        if not isinstance(writer, HashingWriter):
+            raise TypeError("writer_factory must return a paratrain.checkpoint.integrity.HashingWriter")
+        try:
+            rel, digest = save_rank_state(tmp, self.ctx.rank, rank_state or {}, algorithm)
+            writer.extra[rel] = digest
+            if self.ctx.is_main:
+                state = dict(train_state, step=step, world_size=self.ctx.world_size, format=FORMAT_VERSION)
+                writer.extra[TRAIN_STATE_FILE] = write_train_state(tmp, state, algorithm)
+        except Exception as e:  # raised inside DCP's write step instead, where every rank learns of it
+            writer.pending_error = e
         model_sd, optim_sd = self._get(model, optimizer)
         if self._async is not None:
-            self._async.start({"model": model_sd, "optim": optim_sd}, tmp, final)
+            self._async.start({"model": model_sd, "optim": optim_sd}, tmp, final, writer)
             self.blocked_s.append(time.perf_counter() - t0)
             return final
-        with _single_process_quiet():
-            dcp.save(
-                {"model": model_sd, "optim": optim_sd},
-                storage_writer=storage_writer_for(tmp, self.ctx.rank),
-                no_dist=not self.ctx.distributed,
-            )
+        try:
+            with _single_process_quiet():
+                dcp.save(
+                    {"model": model_sd, "optim": optim_sd},
+                    storage_writer=writer,
+                    no_dist=not self.ctx.distributed,
+                )
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(save_failure_message(e, tmp, final.name)) from None
+        error = None
         if self.ctx.is_main:
-            self._commit(tmp, final)
-        self.ctx.barrier()
+            try:
+                self._commit(tmp, final, writer.all_digests)
+            except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = save_failure_message(e, tmp, final.name)
+        error = broadcast_object(error, self.ctx)  # every rank waits here for the commit, and shares its fate
+        if error is not None:
+            raise CheckpointError(error)
         self.blocked_s.append(time.perf_counter() - t0)
         return final
+
+    def _make_tmp(self, final: Path) -> tuple[Path, str]:
+        """Rank 0 creates the temporary directory; every rank learns its name and the checksum algorithm,
+        or rank 0's error (one broadcast: what the barrier before the writes used to be)."""
+        name, error = None, None
+        if self.ctx.is_main:
+            tmp = self.root / f".{final.name}.tmp-{self.job_id}"
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left over by a crashed save of this job: never committed, never loaded
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+                name = tmp.name
+            except OSError as e:
+                error = save_failure_message(e, tmp, final.name)
+        name, error, algorithm = broadcast_object((name, error, self.checksum_algorithm), self.ctx)
+        if error is not None:
+            raise CheckpointError(error)
+        return self.root / name, algorithm
 
     def poll(self) -> BaseException | None:
         """Async: commit a finished background save; return the error of a failed one (does not raise)."""
@@ -278,63 +291,208 @@ class CheckpointManager:
         if self._async is not None:
             self._async.close()
 
-    def _commit(self, tmp: Path, final: Path) -> None:
+    def _commit(self, tmp: Path, final: Path, digests: dict[str, FileDigest] | None) -> None:
         """Rank 0 only, after every rank's files are written: manifest, rename, ``latest``, retention."""
-        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-        _write_json_atomic(tmp / COMMIT_FILE, {"files": files, "committed_at": time.time()})
+        if digests is None:
+            raise CheckpointError("the storage writer returned no checksums (it must be a HashingWriter)")
+        on_disk = {f.relative_to(tmp).as_posix(): f.stat().st_size for f in tmp.rglob("*") if f.is_file()}
+        unhashed = sorted(set(on_disk) ^ set(digests))
+        if unhashed:
+            raise CheckpointError(f"{', '.join(unhashed)}: on disk without a checksum, or the reverse")
+        for rel, d in digests.items():
+            if on_disk[rel] != d.size:
+                raise CheckpointError(f"{rel} has {on_disk[rel]} bytes on disk, {d.size} were written")
+        manifest = manifest_json(digests, self.checksum_algorithm, time.time())
+        write_file_hashed(tmp / COMMIT_FILE, _json_bytes(manifest), "crc32")  # its checksum is not recorded
         old = None
         if final.exists():  # the same step saved again (e.g. after a restart): swap, then drop the old one
-            old = self.root / f".{final.name}.old"
+            old = self.root / f".{final.name}.old-{self.job_id}"
             if old.exists():
                 shutil.rmtree(old)
             os.rename(final, old)
         os.rename(tmp, final)  # the commit
         _fsync_dir(self.root)
-        _write_text_atomic(self.root / "latest", final.name + "\n")
+        _write_text_atomic(self.root / LATEST_FILE, final.name + "\n", f"{self.job_id}-{os.getpid()}")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._retain(final)
 
     def _retain(self, newest: Path) -> None:
         """Keep the newest ``keep_last`` valid checkpoints. Never touches ``newest``, the one ``latest``
-        names, or a temporary directory (a save in flight is never a ``step_*`` name)."""
+        names, or a temporary directory (a save in flight is never a ``step_*`` name). Validity here is the
+        cheap check (sizes, manifest, state), not the checksums: retention must not read every checkpoint."""
         if self.keep_last is None:
             return
-        valid = [p for p in list_checkpoints(self.root) if is_valid_checkpoint(p)]
+        valid = [p for p in list_checkpoints(self.root) if is_valid_checkpoint(p, verify=False)]
         for p in valid[: max(0, len(valid) - self.keep_last)]:
             if p != newest:
                 shutil.rmtree(p, ignore_errors=True)
 
-    # ---- load ---------------------------------------------------------------------------------------------
-    def load(self, path: str | Path, model: nn.Module, optimizer: Any) -> Loaded:
-        """Validate ``path`` against ``model``, then load model, optimizer and this rank's saved tensors."""
+    # ---- verify and load --------------------------------------------------------------------------------------
+    def _agree(self, local: list[str]) -> list[str]:
+        """Every rank's problems, on every rank (one all-gather; world size 1: ``local``)."""
+        if not self.ctx.distributed:
+            return local
+        gathered: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, local)
+        merged: list[str] = []
+        for problems in gathered:
+            merged.extend(p for p in problems or [] if p not in merged)
+        return merged
+
+    def _key(self, p: Path) -> tuple[str, int, int, int] | None:
+        try:
+            st = (p / COMMIT_FILE).stat()
+        except OSError:
+            return None
+        return (str(p.resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _local_check(self, p: Path) -> list[str]:
+        if self._key(p) in self._verified:
+            return []
+        share_of = (self.ctx.rank, self.ctx.world_size) if self.ctx.distributed else None
+        return check_checkpoint(p, verify=True, share_of=share_of)
+
+    def verify(self, path: str | Path) -> list[str]:
+        """Collective: every reason ``path`` is not usable, checksums included, agreed by all ranks. Each
+        rank hashes about ``1/world_size`` of the bytes; a success is remembered until ``commit.json`` changes."""
         p = Path(path)
-        problems = check_checkpoint(p)
+        problems = self._agree(self._local_check(p))
+        key = self._key(p)
+        if not problems and key is not None:
+            self._verified.add(key)
+        return problems
+
+    def find_latest_valid(self, on_skip: SkipFn | None = None) -> Path | None:
+        """Collective :func:`find_latest_valid` over :attr:`root`, with the checksum reading split among ranks."""
+        for p in candidates(self.root, on_skip):
+            problems = self.verify(p)
+            if not problems:
+                return p
+            if on_skip is not None:
+                on_skip(p, problems)
+        return None
+
+    def load(self, path: str | Path, model: nn.Module, optimizer: Any) -> Loaded:
+        """Verify ``path`` (checksums included) and check it against ``model``, then load model, optimizer
+        and this rank's saved tensors. Collective; raises the same error on every rank."""
+        p = Path(path)
+        local = self._local_check(p)
+        state: dict[str, Any] = {}
+        rank_state = None
+        if not local:
+            try:
+                state = read_train_state(p, step_of(p))
+                same_world = state["world_size"] == self.ctx.world_size
+                rank_state = load_rank_state(p, self.ctx.rank) if same_world else None
+            except safe.DamagedFileError as e:
+                local = [str(e)]
+        problems = self._agree(local)
         if problems:
-            raise CheckpointError(
-                f"{p} is not a usable checkpoint: {'; '.join(problems)}. Point --resume at another step "
+            raise DamagedCheckpointError(
+                f"checkpoint {p} is not usable: {'; '.join(problems)}. Point --resume at another step "
                 "directory, or use --resume auto to fall back to the newest valid one."
             )
+        key = self._key(p)
+        if key is not None:
+            self._verified.add(key)
         md = safe.read_metadata(p)
-        state = json.loads((p / "train_state.json").read_text())
-        model_sd, optim_sd = self._get(model, optimizer)
-        mismatches = compare_state(md, model_shapes(model_sd))
+        get, put = self._get, self._set
+        if not self._custom_state_fns and int(state.get("format", FORMAT_VERSION)) < 2:
+            get, put = _default_state_fns(flatten=False)  # format 1: optimizer state saved nested
+        model_sd, optim_sd = get(model, optimizer)
+        shapes = model_shapes(model_sd)
+        mismatches = compare_state(md, shapes, known=self._all_names(shapes))
         if mismatches:
             raise CheckpointError(mismatch_message(p, mismatches))
         to_load = {"model": model_sd, "optim": optim_sd}
-        with _single_process_quiet():
-            dcp.load(
-                to_load,
-                storage_reader=safe.SafeFileSystemReader(str(p)),
-                planner=safe.SafeLoadPlanner(),
-                no_dist=not self.ctx.distributed,
-            )
-        self._set(model, optimizer, to_load["model"], to_load["optim"])
-        same_world = int(state.get("world_size", -1)) == self.ctx.world_size
-        rank_state = load_rank_state(p, self.ctx.rank) if same_world else None
+        try:
+            with _single_process_quiet():
+                dcp.load(
+                    to_load,
+                    storage_reader=safe.SafeFileSystemReader(str(p)),
+                    planner=safe.SafeLoadPlanner(),
+                    no_dist=not self.ctx.distributed,
+                )
+        except (Exception, CheckpointException) as e:  # DCP raises the same CheckpointException on all ranks
+            damaged = safe.first_cause(e, safe.DamagedFileError)
+            what = f"file {damaged.file}): {damaged.reason}" if damaged else f"while reading): {_one_line(e)}"
+            raise DamagedCheckpointError(f"checkpoint {p} is damaged ({what}", model_touched=True) from None
+        try:
+            put(model, optimizer, to_load["model"], to_load["optim"])
+        except Exception as e:
+            raise DamagedCheckpointError(
+                f"checkpoint {p} is damaged (model/optimizer state): it cannot be applied: {_one_line(e)}",
+                model_touched=True,
+            ) from None
         return Loaded(p, state, rank_state)
 
+    def _all_names(self, shapes: dict[str, torch.Size]) -> set[str]:
+        """Parameter names held by any rank: a pipeline stage holds only its own layers, so a tensor of
+        another stage in the checkpoint is expected, not "unexpected". Collective when distributed."""
+        if not (self.ctx.distributed and dist.is_initialized() and dist.get_world_size() > 1):
+            return set(shapes)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(shapes))
+        return {name for names in gathered for name in names}
 
+    def load_latest_valid(
+        self, model: nn.Module, optimizer: Any, on_skip: SkipFn | None = None
+    ) -> Loaded | None:
+        """Collective ``--resume auto``: load the newest checkpoint that verifies *and* loads, reporting every
+        one passed over through ``on_skip``; ``None`` when there is none (start fresh). Raises when every
+        candidate failed after one had already been partly read into the model (a fresh start is then
+        impossible)."""
+        touched = None
+        for p in candidates(self.root, on_skip):
+            problems = self.verify(p)
+            if not problems:
+                try:
+                    return self.load(p, model, optimizer)
+                except DamagedCheckpointError as e:
+                    touched = p if e.model_touched else touched
+                    problems = [str(e)]
+            if on_skip is not None:
+                on_skip(p, problems)
+        if touched is not None:
+            raise DamagedCheckpointError(
+                f"no usable checkpoint in {self.root}: {touched.name} failed while loading, after the model "
+                "was partly overwritten, and no older one loads. Use --resume never to start fresh."
+            )
+        return None
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+def _one_line(e: BaseException) -> str:
+    root = next((c for c in safe.causes(e) if not isinstance(c, CheckpointException)), e)
+    if isinstance(root, CheckpointException):
+        return "DCP reported a failure"
+    return safe.describe_read_error(root)
+
+
+def save_failure_message(e: BaseException, tmp: Path, step_name: str) -> str:
+    """One line for a failed save: a full disk says so and names the file; other errors name their cause."""
+    full = next(
+        (c for c in safe.causes(e) if isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)),
+        None,
+    )
+    if full is not None:
+        return (
+            f"No space left on device while writing {full.filename or tmp}; the partial checkpoint was removed. "
+            "Free space or use --ckpt-dir on another disk."
+        )
+    oserr = safe.first_cause(e, OSError)
+    if oserr is not None and oserr.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            f"cannot write checkpoint {step_name}: {oserr.strerror} ({oserr.filename or tmp}); the partial "
+            "checkpoint was removed. Use a writable --ckpt-dir."
+        )
+    root = next((c for c in safe.causes(e) if not isinstance(c, CheckpointException)), e)
+    text = (str(root).strip().splitlines() or [""])[0][:300]
+    return f"saving checkpoint {step_name} failed: {type(root).__name__}: {text}"
+
+
+# ---- small helpers -----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns "assuming the intent is to save in a single process" at world size 1: that is the intent."""
@@ -343,17 +501,25 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _json_bytes(obj: Any) -> bytes:
+    import json
+
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    _write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+def _write_text_atomic(path: Path, text: str, tag: str) -> None:
+    """Replace ``path`` atomically through ``NAME.tmp-TAG`` (a name no other job or process uses)."""
+    tmp = path.with_name(f"{path.name}.tmp-{tag}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _fsync_dir(path: Path) -> None:

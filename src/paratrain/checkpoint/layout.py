@@ -1,0 +1,228 @@
+"""What a checkpoint directory looks like, and whether a step directory is a usable checkpoint.
+
+``DIR/step_NNNNNNNN/`` (committed: final name, ``commit.json`` present), ``DIR/latest`` (a text file naming
+the newest committed step directory). Everything here is pure reading, with no process group, so the
+launching process, ``ckpt inspect`` and every rank can call it. :func:`check_checkpoint` is the one
+definition of "valid":
+
+1. a ``step_NNNNNNNN`` directory (not a symbolic link) with a ``commit.json`` that parses as a manifest;
+2. every file it lists is a regular file inside the directory, with the recorded size;
+3. (``verify=True``) every file's checksum matches the one recorded when it was written;
+4. ``.metadata`` unpickles with the restricted unpickler and points only inside the listed files;
+5. ``train_state.json`` is a JSON object of the right types whose step is the directory's step.
+
+Checks 1-2 and 4-5 read a few small files; check 3 reads every byte once (``ckpt inspect --fast`` and
+retention skip it; loading and ``--resume auto`` never do).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paratrain.checkpoint import safe
+from paratrain.checkpoint.integrity import (
+    COMMIT_FILE,
+    Manifest,
+    ManifestError,
+    parse_manifest,
+    share,
+    verify_digests,
+)
+from paratrain.checkpoint.state import TRAIN_STATE_FILE, read_train_state
+
+_STEP_RE = re.compile(r"step_([0-9]{8,})")
+LATEST_FILE = "latest"
+SkipFn = Callable[[Path, list[str]], None]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: str | Path) -> int | None:
+    m = _STEP_RE.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Final-named step directories under ``root`` (committed or not), oldest first."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    found = [p for p in r.iterdir() if _STEP_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def read_latest(root: str | Path) -> tuple[Path | None, str | None]:
+    """``(step directory that DIR/latest names, None)``, or ``(None, why it is ignored)``; ``(None, None)``
+    when there is no ``latest``. Only a ``step_NNNNNNNN`` name directly inside ``root`` is followed."""
+    r = Path(root)
+    f = r / LATEST_FILE
+    if not f.is_file():
+        return None, None
+    try:
+        raw = f.read_bytes()[:4096]
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror}); using the newest valid step directory instead"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return (
+            None,
+            "holds bytes that are not UTF-8 text; ignored, using the newest valid step directory instead",
+        )
+    if not _STEP_RE.fullmatch(name):
+        return None, (
+            f"names {name[:80]!r}, which is not a step_NNNNNNNN directory inside {r}; ignored, using the newest "
+            "valid step directory instead"
+        )
+    return r / name, None
+
+
+def _read_manifest(p: Path) -> Manifest:
+    try:
+        obj = json.loads((p / COMMIT_FILE).read_bytes())
+    except OSError as e:
+        raise ManifestError(f"cannot be read ({e.strerror})") from None
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"is not valid JSON ({str(e)[:100]})") from None
+    return parse_manifest(obj)
+
+
+def check_checkpoint(
+    path: str | Path, verify: bool = True, share_of: tuple[int, int] | None = None
+) -> list[str]:
+    """Every reason ``path`` is not a usable committed checkpoint (empty list: it is valid).
+
+    ``verify``: also compare every file's checksum (reads the whole checkpoint). ``share_of=(rank, n)``:
+    hash only this rank's share of the files (the caller combines the ranks' answers).
+    """
+    p = Path(path)
+    if not _STEP_RE.fullmatch(p.name):
+        return [f"{p.name!r} is not a step_NNNNNNNN directory name"]
+    if p.is_symlink():
+        return ["is a symbolic link; checkpoints are real directories inside the checkpoint directory"]
+    if not p.is_dir():
+        return ["does not exist"]
+    if not (p / COMMIT_FILE).is_file():
+        return [f"no {COMMIT_FILE}: the save never finished (partial checkpoint)"]
+    try:
+        manifest = _read_manifest(p)
+    except ManifestError as e:
+        return [f"{COMMIT_FILE} {e}"]
+    problems = []
+    inside = p.resolve()
+    for rel, size in sorted(manifest.files.items()):
+        f = p / rel
+        if not f.is_file():
+            problems.append(f"{rel} is missing")
+        elif f.is_symlink() or not f.resolve().is_relative_to(inside):
+            problems.append(f"{rel} is not a regular file inside the checkpoint")
+        elif f.stat().st_size != size:
+            problems.append(
+                f"{rel} has {f.stat().st_size} bytes, {size} were written (truncated or modified)"
+            )
+    if TRAIN_STATE_FILE not in manifest.files:
+        problems.append(f"{COMMIT_FILE} does not list {TRAIN_STATE_FILE}")
+    if problems:
+        return problems
+    if verify:
+        only = None if share_of is None else share(manifest.files, *share_of)
+        problems = verify_digests(p, manifest, only)
+        if problems:
+            return problems
+    try:
+        md = safe.read_metadata(p)
+    except Exception as e:
+        return [f".metadata is unreadable: {safe.describe_read_error(e)}"]
+    try:
+        for idx, info in (md.storage_data or {}).items():
+            rel = str(info.relative_path)
+            if manifest.files.get(rel, -1) < int(info.offset) + int(info.length):
+                problems.append(f"{idx.fqn} points past the end of {rel}")
+                break
+    except (AttributeError, TypeError, ValueError) as e:
+        problems.append(f".metadata has a malformed storage table ({type(e).__name__})")
+    try:
+        read_train_state(p, step_of(p))
+    except safe.DamagedFileError as e:
+        problems.append(str(e))
+    return problems
+
+
+def is_valid_checkpoint(path: str | Path, verify: bool = True) -> bool:
+    return not check_checkpoint(path, verify)
+
+
+def candidates(root: str | Path, on_skip: SkipFn | None = None) -> Iterator[Path]:
+    """Step directories to try for ``--resume auto``, best first: the one ``latest`` names, then newest
+    first. A ``latest`` that cannot be followed is reported through ``on_skip(DIR/latest, [why])``."""
+    r = Path(root)
+    named, why = read_latest(r)
+    if why is not None and on_skip is not None:
+        on_skip(r / LATEST_FILE, [why])
+    if named is not None and named.is_dir() and not named.is_symlink():
+        yield named
+    for p in reversed(list_checkpoints(r)):
+        if p != named:
+            yield p
+
+
+def find_latest_valid(root: str | Path, on_skip: SkipFn | None = None, verify: bool = True) -> Path | None:
+    """The checkpoint ``--resume auto`` loads: ``latest`` when valid, else the newest valid step directory.
+
+    ``on_skip(path, problems)`` is called for every invalid checkpoint passed over (corrupt, partial) and for
+    a ``latest`` that is ignored. In one process this hashes whole checkpoints until one is valid; in a
+    job, :meth:`CheckpointManager.find_latest_valid` splits that reading among the ranks.
+    """
+    for p in candidates(root, on_skip):
+        problems = check_checkpoint(p, verify)
+        if not problems:
+            return p
+        if on_skip is not None:
+            on_skip(p, problems)
+    return None
+
+
+# ---- model compatibility --------------------------------------------------------------------------------------
+def compare_state(
+    md: Any, expected: dict[str, torch.Size], prefix: str = "model", known: set[str] | None = None
+) -> list[str]:
+    """Mismatches between a checkpoint's ``prefix.*`` tensors and ``expected`` {name: global shape} (this
+    rank's). ``known``: every name any rank of the run holds (a pipeline stage holds a subset); a saved
+    tensor outside it is "unexpected". Default: ``expected``."""
+    known = set(expected) if known is None else known
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {k[len(prefix) + 1 :]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix + ".")}
+    out = []
+    for name, shape in expected.items():
+        if name not in saved:
+            out.append(f"missing in checkpoint: {name} {tuple(shape)}")
+        elif isinstance(saved[name], TensorStorageMetadata) and tuple(saved[name].size) != tuple(shape):
+            out.append(
+                f"shape mismatch: {name} is {tuple(saved[name].size)} in the checkpoint, {tuple(shape)} in the model"
+            )
+    for name, meta in saved.items():
+        if name not in known:
+            size = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else ""
+            out.append(f"unexpected in checkpoint (not in the model): {name} {size}".rstrip())
+    return out
+
+
+def model_shapes(model_sd: dict[str, Any]) -> dict[str, torch.Size]:
+    return {k: v.shape for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+
+
+def mismatch_message(path: Path | str, mismatches: list[str]) -> str:
+    lines = "\n  ".join(mismatches)
+    return (
+        f"checkpoint {path} does not match this model ({len(mismatches)} mismatch(es)):\n  {lines}\n"
+        "Resume with the same --model and model settings, point --ckpt-dir elsewhere, or use --resume never."
+    )
