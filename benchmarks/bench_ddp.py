@@ -20,6 +20,9 @@ reducer's own measured wait is shown too.
     python benchmarks/bench_ddp.py --json       # one JSON object
     python benchmarks/bench_ddp.py --quick      # a smoke run
 
+The raw result (the command, the machine's load average before and after, every figure) is written to
+``--out`` (default ``benchmarks/results/ddp.json``; ``--out ''`` writes nothing).
+
 On a CPU machine every rank is one process with one thread: N ranks on fewer than N cores compete for
 cores, which the scaling table shows honestly rather than hides.
 """
@@ -43,6 +46,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plain_ddp  # the baseline script next to this one
+
+RESULTS = Path(__file__).resolve().parent / "results" / "ddp.json"
 
 
 def _cfg(strategy: str, algorithm: str, args: argparse.Namespace, world: int, run_dir: str) -> Any:
@@ -97,7 +102,7 @@ def _loops(
 ) -> dict[str, tuple[Callable[[], Any], Any]]:
     """name -> (one training step, (model, optimizer, strategy or None, x, y) for the phase split)."""
     from paratrain.runtime import init
-    from paratrain.worker import build_trainer
+    from paratrain.train.worker import build_trainer
 
     out: dict[str, tuple[Callable[[], Any], Any]] = {}
     for name in names:
@@ -234,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithms", default="", help="extra dp all-reduces to time, e.g. ring,tree")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=str(RESULTS), help="where to store the raw JSON ('' for nowhere)")
     args = p.parse_args(argv)
+    t_start, load_start = time.perf_counter(), os.getloadavg()
     if args.quick:
         args.width, args.batch, args.rounds, args.split_steps, args.warmup, args.scaling = (
             8,
@@ -252,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     side = run_distributed(_bench_rank, args.world_size, args=(args, names, True), timeout_s=1800)[0]
     plain = side["step_s"]["plain"]
     result: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "command": "python benchmarks/bench_ddp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "out")},
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "cpus": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],  # other work on the machine distorts every number here
@@ -281,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"samples_per_s": sps, "speedup": sps / b1 if b1 else None,
                          "efficiency": sps / b1 / n if b1 else None}  # fmt: skip
         result["scaling"].append(row)
+    result["load_average_before"] = load_start
+    result["load_average_after"] = os.getloadavg()
+    result["elapsed_s"] = time.perf_counter() - t_start
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))
     else:

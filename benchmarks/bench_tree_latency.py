@@ -248,13 +248,15 @@ def main() -> None:
     if min(world_sizes) < 2 or min(sizes) < 4:
         parser.error("--world-sizes need at least 2 ranks and --sizes at least 4 bytes")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    t_start = time.perf_counter()
     results = []
     for n in world_sizes:
         print(f"[bench_tree_latency] {n} ranks ...", file=sys.stderr, flush=True)
         results.append(run(n, sizes, args.reps, args.inner, args.warmup))
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"load_avg_1min": os.getloadavg()[0], "cpus": os.cpu_count(), "reps": args.reps,
-               "inner": args.inner, "results": results}  # fmt: skip
+    payload = {"command": " ".join(["python benchmarks/bench_tree_latency.py", *sys.argv[1:]]),
+               "load_avg_1min": os.getloadavg()[0], "cpus": os.cpu_count(), "reps": args.reps,
+               "inner": args.inner, "elapsed_s": time.perf_counter() - t_start, "results": results}  # fmt: skip
     (args.out / "tree_latency.json").write_text(json.dumps(payload, indent=1))
     plot(results, args.out / "tree_latency.png")
     if args.json:

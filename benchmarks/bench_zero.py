@@ -2,9 +2,14 @@
 
 For ddp, zero1, zero2 and zero3 on N = 1, 2, 4 Gloo ranks (one process group per N, every strategy in it):
 
-- **memory**: ``model_state_bytes`` after a few AdamW steps (local shards of parameters, gradients and
-  optimizer state actually held), largest over ranks, against the ZeRO paper's formulas for fp32 Adam:
-  ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N;
+- **memory at rest**: ``model_state_bytes`` after a few AdamW steps (local shards of parameters, gradients
+  and optimizer state actually held between steps), largest over ranks, against the ZeRO paper's formulas
+  for fp32 Adam: ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N;
+- **peak memory during a step**: ``paratrain.train.memory.measure_peak`` around one step (PyTorch's
+  ``MemTracker``: the live bytes of parameters, gradients, optimizer state, activations, temporaries and the
+  communication buffers created in the step: zero1/zero2's send buffers, FSDP's unsharded units), largest
+  over ranks. It does not see storage allocated before the step outside the dispatcher: torch DDP's C++
+  gradient buckets (4Ψ more for ddp). The formulas describe the state at rest, not this peak;
 - **communication**: bytes sent per rank in one optimizer step, *counted* from the collectives the
   process group actually ran (every ``c10d::`` op in a torch.profiler trace of the step, DDP's C++ reducer
   included), converted with the bandwidth-optimal (ring) cost of each collective: all-reduce
@@ -12,8 +17,12 @@ For ddp, zero1, zero2 and zero3 on N = 1, 2, 4 Gloo ranks (one process group per
   Formula: 2Ψ·(N-1)/N elements for ddp, zero1, zero2; 3Ψ·(N-1)/N for zero3;
 - **step time**: median of timed steps; ratios to ddp on the same model and N.
 
-    python benchmarks/bench_zero.py            # table (about 2-3 minutes on 2 cores)
+    python benchmarks/bench_zero.py            # table (about 2-3 minutes on 2 idle cores)
     python benchmarks/bench_zero.py --json     # one JSON object
+    python benchmarks/bench_zero.py --quick    # a smoke run: small model, N = 1, 2
+
+The raw result (every row, the command, the machine's load average) is written to ``--out``
+(default ``benchmarks/results/zero.json``; ``--out ''`` writes nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
 _DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 
 
@@ -101,6 +112,7 @@ def _prepare(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
     from paratrain.parallel import model_state_bytes, setup
     from paratrain.runtime import init
+    from paratrain.train.memory import measure_peak
 
     ctx = init(seed=None)
     n = dist.get_world_size()
@@ -121,6 +133,9 @@ def _prepare(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         step()
     held = torch.tensor([model_state_bytes(model, opt)])
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    _, peak = measure_peak(step, model, opt)  # one more step, under the tracker
+    peak_t = torch.tensor([peak if peak is not None else -1])
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,6 +151,7 @@ def _prepare(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         "world_size": n,
         "psi": psi,
         "bytes": int(held),
+        "peak_bytes": int(peak_t) if int(peak_t) >= 0 else None,
         "formula_bytes": formula_bytes(name, psi, n),
         "comm_bytes": int(sent_t),
         "formula_comm": formula_comm(name, psi, n),
@@ -177,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="timed steps per strategy")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smoke run: MLP 64->256x2->10, N = 1, 2, 3 steps")
+    p.add_argument("--out", default=str(RESULTS), help="where to store the raw JSON ('' for nowhere)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.hidden, args.layers, args.steps, args.warmup = [1, 2], 256, 2, 3, 1
+    t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for n in args.world_sizes:
         rows += run_distributed(_all, n, args=(args,), timeout_s=900)[0]
@@ -187,23 +208,38 @@ def main(argv: list[str] | None = None) -> int:
         r["step_ratio_vs_ddp"] = r["step_s"] / base["step_s"] if base else None
         r["bytes_ratio"] = r["bytes"] / r["formula_bytes"]
         r["comm_ratio"] = r["comm_bytes"] / r["formula_comm"] if r["formula_comm"] else None
+    result = {
+        "command": "python benchmarks/bench_zero.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "out")},
+        "psi": rows[0]["psi"],
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),  # other work on the machine: it distorts the step times, not the bytes
+        "elapsed_s": time.perf_counter() - t_start,
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
-        print(json.dumps({"psi": rows[0]["psi"], "rows": rows}))
+        print(json.dumps(result))
         return 0
     print(
         f"model: MLP {args.features}->{args.hidden}x{args.layers}->10, Ψ = {rows[0]['psi']:,} parameters, "
-        f"fp32 AdamW, global batch {args.batch}, Gloo on CPU ({os.cpu_count()} cores)"
+        f"fp32 AdamW, global batch {args.batch}, Gloo on CPU ({os.cpu_count()} cores, load average "
+        f"{result['load_avg'][0]:.1f})"
     )
     print(
-        f"{'strategy':8} {'N':>2} {'MiB/rank':>9} {'formula':>9} {'ratio':>6} {'comm MiB':>9} {'formula':>8} "
-        f"{'ratio':>6} {'ms/step':>8} {'vs ddp':>6}"
+        f"{'strategy':8} {'N':>2} {'at rest MiB':>11} {'formula':>9} {'ratio':>6} {'peak MiB':>9} "
+        f"{'comm MiB':>9} {'formula':>8} {'ratio':>6} {'ms/step':>8} {'vs ddp':>6}"
     )
     for r in rows:
         comm_ratio = f"{r['comm_ratio']:.3f}" if r["comm_ratio"] is not None else "-"
+        peak = f"{r['peak_bytes'] / 2**20:9.2f}" if r["peak_bytes"] is not None else f"{'-':>9}"
         print(
-            f"{r['strategy']:8} {r['world_size']:>2} {r['bytes'] / 2**20:9.2f} {r['formula_bytes'] / 2**20:9.2f} "
-            f"{r['bytes_ratio']:6.3f} {r['comm_bytes'] / 2**20:9.2f} {r['formula_comm'] / 2**20:8.2f} {comm_ratio:>6} "
-            f"{r['step_s'] * 1e3:8.1f} {r['step_ratio_vs_ddp']:6.2f}"
+            f"{r['strategy']:8} {r['world_size']:>2} {r['bytes'] / 2**20:11.2f} "
+            f"{r['formula_bytes'] / 2**20:9.2f} "
+            f"{r['bytes_ratio']:6.3f} {peak} {r['comm_bytes'] / 2**20:9.2f} {r['formula_comm'] / 2**20:8.2f} "
+            f"{comm_ratio:>6} {r['step_s'] * 1e3:8.1f} {r['step_ratio_vs_ddp']:6.2f}"
         )
     return 0
 
