@@ -513,10 +513,17 @@ class RunConfig:
                 f"multiple of {per_step}."
             )
         if self.train.batch_size % per_step != 0:
+            fix = f"e.g. --batch-size {max(per_step, self.train.batch_size // per_step * per_step)}"
+            if per_step > self.train.batch_size:  # more ranks than samples: fewer processes is the real fix
+                fits = [d for d in range(1, dp + 1) if self.train.batch_size % (d * self.train.grad_accum) == 0]
+                fix = (
+                    f"or, more likely, fewer processes: {dp} data-parallel ranks cannot share a global batch of "
+                    f"{self.train.batch_size} (--nproc-per-node {max(fits)} would, or a --batch-size of at "
+                    f"least {per_step})"
+                )
             raise ConfigError(
                 f"train.batch_size={self.train.batch_size} (global) is not divisible by data-parallel size "
-                f"{dp} x grad_accum {self.train.grad_accum} = {per_step}. Use a multiple of {per_step}, "
-                f"e.g. --batch-size {max(per_step, self.train.batch_size // per_step * per_step)}."
+                f"{dp} x grad_accum {self.train.grad_accum} = {per_step}. Use a multiple of {per_step}, {fix}."
             )
 
 

@@ -62,6 +62,7 @@ def test_skip_mode_skips_then_stops_at_the_limit(tmp_path: Path) -> None:
         (["train", "--set", "optimizer.grad_clip=nan"], "must be a finite number"),
         (["train", "--rdzv-endpoint", "not_a_host_port"], "write HOST:PORT"),
         (["launch", "--rdzv-backend", "bogus", "x.py"], "invalid choice: 'bogus'"),
+        (["train", "--nproc-per-node", "1000"], "more likely, fewer processes"),
     ],
 )
 def test_bad_values_get_one_message_and_no_traceback(tmp_path: Path, argv: list[str], needle: str) -> None:
