@@ -124,6 +124,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from paratrain.train.generate import generate
+
+    out = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(json.dumps(out) if args.json else args.prompt + out["text"])
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paratrain", description="Distributed PyTorch training, correct by construction."
@@ -189,6 +197,20 @@ def make_parser() -> argparse.ArgumentParser:
     )
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
+
+    p = sub.add_parser("generate", help="sample text from a trained language-model checkpoint")
+    p.add_argument(
+        "--ckpt", required=True, help="a run directory, its checkpoints/ directory, or one step_NNNNNNNN"
+    )
+    p.add_argument("--prompt", default="", help="text the sample continues (default: empty)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
+    )
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.set_defaults(func=cmd_generate)
 
     from paratrain.checkpoint.commands import add_ckpt_commands
 

@@ -123,25 +123,17 @@ def format_inspect(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = False) -> dict[str, Any]:
-    """Consolidate the model of a (sharded) checkpoint into one ``.safetensors`` file of full tensors.
+def load_full_model(step_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a committed checkpoint, by their original names, in one process.
 
-    The checkpoint is verified (checksums included) first. An existing ``out`` is refused unless ``force``
-    (a directory never: it would be replaced by a file). The file is written to a temporary name and renamed.
+    Verified first (checksums included); DCP assembles every shard written by every rank, whatever the
+    strategy and world size that wrote it. Raises :class:`ConfigError` naming what is wrong.
     """
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     p = Path(step_dir)
-    dest = Path(out)
-    if dest.is_dir():
-        raise ConfigError(f"{dest} is a directory. Give the path of the .safetensors file to write.")
-    if dest.exists() and not force:
-        raise ConfigError(f"{dest} already exists. Give another path, or --force to overwrite it.")
-    if not p.is_dir():
-        raise ConfigError(f"{p} is not a directory. Give a committed step_NNNNNNNN directory.")
     problems = check_checkpoint(p)
     if problems:
         raise ConfigError(f"{p} is not a usable checkpoint: {'; '.join(problems)}")
@@ -168,6 +160,26 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
                 else f"while reading): {type(e).__name__}"
             )
             raise ConfigError(f"checkpoint {p} is damaged ({why}") from None
+    return model
+
+
+def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = False) -> dict[str, Any]:
+    """Consolidate the model of a (sharded) checkpoint into one ``.safetensors`` file of full tensors.
+
+    The checkpoint is verified (checksums included) first. An existing ``out`` is refused unless ``force``
+    (a directory never: it would be replaced by a file). The file is written to a temporary name and renamed.
+    """
+    from safetensors.torch import save_file
+
+    p = Path(step_dir)
+    dest = Path(out)
+    if dest.is_dir():
+        raise ConfigError(f"{dest} is a directory. Give the path of the .safetensors file to write.")
+    if dest.exists() and not force:
+        raise ConfigError(f"{dest} already exists. Give another path, or --force to overwrite it.")
+    if not p.is_dir():
+        raise ConfigError(f"{p} is not a directory. Give a committed step_NNNNNNNN directory.")
+    model = load_full_model(p)
     state = _read_state(p)
     cfg = state.get("config", {})
     meta_out = {

@@ -1,0 +1,115 @@
+"""``paratrain generate``: sample text from a trained language-model checkpoint, in one process.
+
+The checkpoint carries the run's config (model preset and overrides, tokenizer, sequence length), so the
+model is rebuilt exactly as trained, loaded with its full (unsharded) weights whatever the strategy and
+world size that saved it, and sampled token by token: logits of the last position, divided by the
+temperature, restricted to the ``top_k`` most likely tokens, then one multinomial draw (``temperature 0``:
+the most likely token). The context is cut to the model's ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paratrain.checkpoint.inspect import load_full_model
+from paratrain.checkpoint.layout import find_latest_valid, step_of
+from paratrain.checkpoint.state import read_train_state
+from paratrain.config import RunConfig
+from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
+from paratrain.errors import ConfigError
+from paratrain.models import build_model
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A step directory from ``path``: a ``step_NNNNNNNN`` dir, a checkpoint dir (its newest valid step), or
+    a run dir (its ``checkpoints/``)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"--ckpt {p} does not exist. Give a run directory, a checkpoint directory or a step."
+        )
+    if step_of(p) is not None:
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    found = find_latest_valid(root)
+    if found is None:
+        raise ConfigError(f"--ckpt {p}: no committed, valid checkpoint in {root}.")
+    return Path(found)
+
+
+def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
+    kind, size = parse_spec(cfg.data.tokenizer)
+    if kind == "byte":
+        return load_tokenizer("byte")
+    where = [Path(d) for d in (cfg.data.cache_dir, cfg.train.run_dir, step_dir.parent.parent) if d]
+    files = [f for d in where for f in sorted(d.glob(f"tokenizer-bpe{size}-*.json"))]
+    if not files:
+        raise ConfigError(
+            f"the checkpoint was trained with data.tokenizer={cfg.data.tokenizer!r}, but no "
+            f"tokenizer-bpe{size}-*.json is in {', '.join(map(str, where))}. Keep the run directory with it."
+        )
+    return load_tokenizer(cfg.data.tokenizer, files[0])
+
+
+@torch.no_grad()
+def generate(
+    ckpt: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Sample ``max_new_tokens`` after ``prompt``; returns the text and what produced it."""
+    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ConfigError("--max-new-tokens and --temperature must be >= 0 and --top-k >= 1.")
+    step_dir = resolve_step_dir(ckpt)
+    state = read_train_state(step_dir, step_of(step_dir))
+    cfg = RunConfig.from_dict(state["config"], source=f"{step_dir}/train_state.json")
+    tok = _tokenizer(cfg, step_dir)
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model, (cfg.data.seq_len,), tok.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, (cfg.data.seq_len,), tok.vocab_size)
+    if getattr(model, "config", None) is None:
+        raise ConfigError(f"--ckpt {step_dir} holds a {cfg.model.name!r} model, not a language model.")
+    weights = load_full_model(step_dir)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {step_dir} does not match {cfg.model.name}: missing {missing}, unexpected {unexpected}"
+        )
+    model.eval()
+    ids = tok.encode(prompt) or [0]
+    limit = int(getattr(model, "config").max_seq_len)  # noqa: B009  (nn.Module attributes are typed loosely)
+    gen = torch.Generator().manual_seed(seed)
+    out = list(ids)
+    t0 = time.perf_counter()
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([out[-limit:]]))[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+        out.append(nxt)
+    seconds = time.perf_counter() - t0
+    return {
+        "checkpoint": str(step_dir),
+        "step": state.get("step"),
+        "model": cfg.model.name,
+        "prompt": prompt,
+        "text": tok.decode(out[len(ids) :]),
+        "new_tokens": max_new_tokens,
+        "tokens_per_s": max_new_tokens / seconds if seconds > 0 else None,
+    }
