@@ -19,7 +19,7 @@ all-reduce copies S in, reads S to reduce its chunk and copies S out, so on one 
 cannot pass about 2(n−1)/n × 1 / (1/copy + 1/read + 1/copy) of those figures (printed as the "limit");
 with more ranks than cores (4 ranks on a 2-core VM) the ranks share the cores, and the limit halves.
 
-    python benchmarks/bench_shm.py                        # the full sweep (about 15-25 minutes here)
+    python benchmarks/bench_shm.py                        # the full sweep (about 7-10 minutes here)
     python benchmarks/bench_shm.py --quick                # smoke run: three sizes, few iterations
     python benchmarks/bench_shm.py --json --plot benchmarks/results/shm_busbw.png
 

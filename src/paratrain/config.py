@@ -194,7 +194,8 @@ class StrategyConfig:
     find_unused_parameters: bool = False
     """``ddp``: look for parameters that got no gradient. Off by default: it costs a graph walk per step."""
     comm_algorithm: str = option("native", choices=COMM_ALGORITHMS)
-    """All-reduce used by ``dp``: ``native`` (the backend's own) or one of paratrain's algorithms."""
+    """Collectives of the gradient sync: ``native`` (the backend's own) or one of paratrain's algorithms
+    (``dp``: any; ``ddp``: ``native`` or ``shm`` (a DDP comm hook); ``zero1``/``zero2``: ``native`` or ``shm``)."""
     shard_size: int | None = option(None)
     """``hsdp``: ranks per shard group (sharded within a group, replicated across groups); must divide the
     world size. Default: half the world size. Same as ``--dp-shard`` for ``hsdp``."""
@@ -515,7 +516,9 @@ class RunConfig:
         if self.train.batch_size % per_step != 0:
             fix = f"e.g. --batch-size {max(per_step, self.train.batch_size // per_step * per_step)}"
             if per_step > self.train.batch_size:  # more ranks than samples: fewer processes is the real fix
-                fits = [d for d in range(1, dp + 1) if self.train.batch_size % (d * self.train.grad_accum) == 0]
+                fits = [
+                    d for d in range(1, dp + 1) if self.train.batch_size % (d * self.train.grad_accum) == 0
+                ]
                 fix = (
                     f"or, more likely, fewer processes: {dp} data-parallel ranks cannot share a global batch of "
                     f"{self.train.batch_size} (--nproc-per-node {max(fits)} would, or a --batch-size of at "
