@@ -1,11 +1,16 @@
 # The two commands of the README:
 #   make demo   -> set up .venv, then `paratrain train` (digits CNN, ddp over 2 local processes)
-#   make test   -> set up .venv, then ruff, import-linter (layers), mypy and the whole test suite
+#   make test   -> set up .venv, then ruff, import-linter (layers), mypy and the test suite (not `slow`)
+#   make test-all -> the same with the slow tests too
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck bench clean
+.PHONY: setup demo test test-all lint typecheck bench clean
+
+# `make test` (CI) runs every test not marked `slow`; `make test-all` runs them all (the slow ones are the
+# long multi-process runs: model-parallel equivalence, bf16 of every strategy, observability, kill tests).
+PYTEST_ARGS ?= -m "not slow"
 
 $(BIN)/paratrain: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +30,12 @@ test: setup
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-all: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples

@@ -70,6 +70,7 @@ ODD_CASES: dict[str, list[str]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_odd_world_size_matches_single_process(dist_run: Any, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from paratrain.models.llama import Llama, LlamaConfig
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 CFG = LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16)
 SEQ, BATCH, STEPS, LR = 16, 8, 4, 1e-2

@@ -34,6 +34,9 @@ CASES: dict[str, list[str]] = {
 }
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_bf16_every_strategy_matches_bf16_reference(dist_run: Any, tmp_path: Path) -> None:

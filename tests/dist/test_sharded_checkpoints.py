@@ -24,6 +24,9 @@ from paratrain.models.mlp import MLP
 D_IN, HIDDEN, CLASSES, BATCH, STEPS = 12, 16, 5, 24, 4
 
 
+pytestmark = pytest.mark.slow
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     return torch.randn(BATCH * STEPS, D_IN, generator=g), torch.randint(

@@ -81,6 +81,7 @@ def _dp_paths() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_dp_shm_zero_copy_and_copying_paths(dist_run: Any) -> None:
     r0, r1 = dist_run(_dp_paths, 2, timeout_s=110)

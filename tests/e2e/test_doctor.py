@@ -79,6 +79,7 @@ def test_missing_gloo_interface_fails_within_60_s_naming_the_variable() -> None:
     assert any(ln.startswith("FAIL    selftest collectives:") for ln in fails), proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_bad_master_port_fails_naming_it_and_the_selftest_still_runs() -> None:
     proc = doctor("--json", env={"MASTER_PORT": "notaport"})
@@ -93,6 +94,7 @@ def test_bad_master_port_fails_naming_it_and_the_selftest_still_runs() -> None:
     )  # a standalone job: the launcher picks its port
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_hung_job_is_killed_at_the_deadline_and_its_ranks_named() -> None:
     start = time.monotonic()
@@ -124,6 +126,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_slow_rank_is_named() -> None:
     proc = doctor("--nproc-per-node", "3", env={"PARATRAIN_DOCTOR_INJECT": "slow:2"})

@@ -104,6 +104,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_rank_conditional_all_reduce_then_barrier_is_stopped_at_once(tmp_path: Path) -> None:
     # rank 0's extra all_reduce meets rank 1's barrier: Gloo would wait forever; the guard sees the two ranks
@@ -167,6 +168,7 @@ print(f"rank {rank} finished", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_perturbed_replica_is_named_with_step_parameter_and_rank(tmp_path: Path) -> None:
     proc, _, out = guard(tmp_path, DESYNC, 3, "--check-desync-every", "5")
@@ -198,6 +200,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_plain_shuffled_dataloader_warns_no_distributed_sampler(tmp_path: Path) -> None:
     proc, _, out = guard(tmp_path, NO_SAMPLER, 2)
@@ -231,6 +234,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_missing_set_epoch_and_unsynced_batchnorm_warn_once(tmp_path: Path) -> None:
     # 24 steps, a desync check every 4: BatchNorm's per-rank running statistics are not a desync

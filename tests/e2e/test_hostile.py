@@ -40,6 +40,7 @@ def test_diverging_lr_stops_with_nonzero_exit_naming_step_and_parameter(tmp_path
     assert not (tmp_path / "r" / "summary.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_skip_mode_skips_then_stops_at_the_limit(tmp_path: Path) -> None:
     proc = run_cli("train", *MLP, "--lr", "1e30", "--steps", "30", "--set", "train.on_nonfinite=skip",
@@ -140,7 +141,7 @@ def _tree(pid: int) -> set[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("endpoint", ["127.0.0.1", "localhost"])
+@pytest.mark.parametrize("endpoint", ["127.0.0.1", pytest.param("localhost", marks=pytest.mark.slow)])
 def test_loopback_endpoint_listens_on_loopback_only(tmp_path: Path, endpoint: str) -> None:
     script = tmp_path / "hold.py"
     script.write_text(
@@ -175,6 +176,7 @@ def test_loopback_endpoint_listens_on_loopback_only(tmp_path: Path, endpoint: st
     assert "no authentication" not in err  # the warning is for non-loopback endpoints only
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkill_of_the_launcher_group_leaves_no_worker_and_rerun_resumes_exactly(tmp_path: Path) -> None:
     common = [*MLP, "--steps", "400", "--ckpt-every", "20", "--run-dir", str(tmp_path / "r")]
@@ -221,7 +223,7 @@ def test_json_of_failure_is_not_printed_on_failure(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("target", ["distcp", "train_state"])
+@pytest.mark.parametrize("target", ["distcp", pytest.param("train_state", marks=pytest.mark.slow)])
 def test_same_size_damage_to_the_newest_checkpoint_falls_back_and_ends_identical(
     tmp_path: Path, target: str
 ) -> None:
@@ -252,6 +254,7 @@ def test_same_size_damage_to_the_newest_checkpoint_falls_back_and_ends_identical
     assert got["param_sha256"] == ref["param_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_second_job_on_the_same_checkpoint_directory_is_refused(tmp_path: Path) -> None:
     common = [*MLP, "--steps", "100000", "--run-dir", str(tmp_path / "r")]

@@ -19,6 +19,9 @@ COMMON = ("--model", "mlp", "--steps", "6", "--batch-size", "32", "--profile", "
           "--set", "train.log_every=2", "--set", "checkpoint.save_at_end=false")  # fmt: skip
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two short profiled runs: ``single`` (world size 1) and ``ddp`` over 2 ranks (with --tensorboard)."""

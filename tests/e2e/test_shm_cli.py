@@ -79,6 +79,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_hierarchical_all_reduce_across_two_agents_on_loopback(tmp_path: Path) -> None:
     script = tmp_path / "hier.py"
