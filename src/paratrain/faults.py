@@ -51,6 +51,23 @@ def maybe_fail(step: int, ctx: Context, fail_at_step: int | None, fail_rank: int
 
 
 # ---- peer liveness -------------------------------------------------------------------------------------
+def _launcher_gone() -> bool:
+    """Whether paratrain's launcher of this worker has died (``False`` when it was not started by one)."""
+    pid = int(os.environ.get("PARATRAIN_LAUNCHER_PID", "0") or 0)
+    if pid <= 0:
+        return False
+    if os.getppid() != pid:
+        return True  # re-parented: the launcher is gone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+
 class PeerMonitor:
     """Heartbeat counters in the c10d store; :meth:`lost` names the ranks that stopped."""
 
@@ -103,7 +120,12 @@ class PeerMonitor:
                 failures += 1
                 if self._stop.is_set():
                     return
-                if failures >= 2:  # the store lives in the launcher: it is gone, so is the job
+                if failures >= 2 and not _launcher_gone():
+                    # The store is hosted elsewhere (another node's agent in a multi-node job) and that node
+                    # is gone: this rank's next collective fails and names it; the local launcher restarts
+                    # or stops the group. Only stop beating.
+                    return
+                if failures >= 2:  # the store lives in our launcher, and the launcher is gone: so is the job
                     print(
                         f"[paratrain] rank {self.ctx.rank}: the launcher's store stopped answering "
                         f"({type(e).__name__}); the job is gone, exiting",

@@ -63,7 +63,7 @@ def _plain_continuation(step_dir: Path, cfg_json: str, start: int) -> tuple[list
     """Single-process reference from ``step_dir``: plain torch loop, not paratrain's trainer or manager."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from paratrain.config import RunConfig
     from paratrain.data import build_dataset
@@ -73,10 +73,11 @@ def _plain_continuation(step_dir: Path, cfg_json: str, start: int) -> tuple[list
     data = build_dataset(cfg.data)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
-    msd, osd = get_state_dict(model, opt)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)  # checkpoint format 2: flattened optimizer state
+    msd, osd = get_state_dict(model, opt, options=flat)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=flat)
     n = len(data.train)
     per_epoch = n // BATCH
     losses = []
