@@ -39,7 +39,7 @@ def _train(run_root: str, strategy: str, perturb_rank: int | None) -> str:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "dp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "dp"])
 def test_perturbed_replica_is_named_at_the_next_check(dist_run: Any, tmp_path: Path, strategy: str) -> None:
     clean = dist_run(_train, 3, str(tmp_path / "clean"), strategy, None, timeout_s=200)
     assert clean == ["ok"] * 3

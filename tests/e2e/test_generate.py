@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.mark.timeout(300)
