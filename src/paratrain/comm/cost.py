@@ -54,12 +54,14 @@ class LinkModel:
     """Seconds per message (latency)."""
     beta: float
     """Seconds per byte on one link (1 / bandwidth)."""
-    gamma: float
+    gamma: float = 0.0
     """Seconds per byte to reduce two buffers into one."""
 
 
 def bus_factor(collective: str, n: int) -> float:
-    """busbw / algbw for ``collective`` on ``n`` ranks (nccl-tests' definition)."""
+    """busbw / algbw for ``collective`` on ``n`` ranks (nccl-tests' definition; point-to-point: 1)."""
+    if collective == "send_recv":
+        return 1.0
     if collective not in BUS_FACTORS:
         raise ValueError(
             f"no bus bandwidth factor for {collective!r}; choose one of {', '.join(BUS_FACTORS)}."

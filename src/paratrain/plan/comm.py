@@ -47,103 +47,36 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The measurement vocabulary (nccl-tests' bus factors, algbw/busbw) and the α–β costs of paratrain's own
+# algorithms are defined once, in :mod:`paratrain.comm.cost`, and shared by prediction and measurement.
+from paratrain.comm.cost import (
+    BUS_FACTORS,
+    PIECE_BYTES,
+    LinkModel,
+    algbw,
+    bus_factor,
+    busbw,
+    predict,
+    ring_pieces,
+)
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.layout import Layout
 
-PIECE_BYTES = 4 << 20
-"""Ring pipelining granularity of :mod:`paratrain.comm.ring` (must equal ``paratrain.comm.ring.PIECE_BYTES``;
-kept here so that planning never imports the collectives)."""
-
-BUS_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-}
-"""nccl-tests' busbw/algbw factor for each collective, as a function of the number of ranks."""
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """Measured parameters of the α–β–γ model."""
-
-    alpha: float
-    """Seconds per message (latency)."""
-    beta: float
-    """Seconds per byte on one link (1 / bandwidth)."""
-    gamma: float = 0.0
-    """Seconds per byte to reduce two buffers into one."""
-
-
-def bus_factor(collective: str, n: int) -> float:
-    """busbw / algbw for ``collective`` on ``n`` ranks (nccl-tests' definition)."""
-    if collective == "send_recv":
-        return 1.0
-    if collective not in BUS_FACTORS:
-        raise ValueError(
-            f"no bus bandwidth factor for {collective!r}; choose one of {', '.join(BUS_FACTORS)}."
-        )
-    return float(BUS_FACTORS[collective](n))
-
-
-def algbw(nbytes: float, seconds: float) -> float:
-    """Algorithm bandwidth in bytes/s: S / t."""
-    return nbytes / seconds if seconds > 0 else float("inf")
-
-
-def busbw(collective: str, n: int, nbytes: float, seconds: float) -> float:
-    """Bus bandwidth in bytes/s: algbw × :func:`bus_factor`."""
-    return algbw(nbytes, seconds) * bus_factor(collective, n)
-
-
-def ring_pieces(nbytes: float, n: int, piece_bytes: int = PIECE_BYTES) -> int:
-    """Pieces per chunk in :mod:`paratrain.comm.ring` for a message of ``nbytes`` (S) on ``n`` ranks."""
-    chunk = math.ceil(nbytes / n)
-    return max(1, math.ceil(chunk / piece_bytes))
-
-
-def predict(
-    collective: str, algorithm: str, n: int, nbytes: float, m: LinkModel, piece_bytes: int = PIECE_BYTES
-) -> float | None:
-    """Predicted seconds of ``collective`` with ``algorithm`` (``None`` for ``native``: not our schedule)."""
-    if algorithm == "native":
-        return None
-    if n == 1:
-        return 0.0
-    a, b, g, s = m.alpha, m.beta, m.gamma, float(nbytes)
-    log_n = math.ceil(math.log2(n))
-    key = (collective, algorithm)
-    if key == ("broadcast", "naive"):
-        return (n - 1) * (a + s * b)
-    if key == ("broadcast", "tree"):
-        return log_n * (a + s * b)
-    if key == ("reduce", "naive"):
-        return (n - 1) * (a + s * b + s * g)
-    if key == ("reduce", "tree"):
-        return log_n * (a + s * b + s * g)
-    if key == ("all_reduce", "naive"):
-        return 2 * (n - 1) * (a + s * b) + (n - 1) * s * g
-    if key == ("all_reduce", "tree"):
-        return 2 * log_n * (a + s * b) + log_n * s * g
-    frac = (n - 1) / n
-    pieces = ring_pieces(s, n, piece_bytes)
-    if key == ("all_reduce", "ring"):
-        return 2 * (n - 1) * pieces * a + 2 * frac * s * b + frac * s * g
-    if key == ("all_reduce", "rhd"):
-        p = 1 << (n.bit_length() - 1)
-        pf = (p - 1) / p
-        t = 2 * math.log2(p) * a + 2 * pf * s * b + pf * s * g
-        return t + (2 * (a + s * b) + s * g if n != p else 0.0)
-    if key == ("all_gather", "naive"):
-        return 2 * (n - 1) * a + (n - 1) * (1 + 1 / n) * s * b
-    if key == ("all_gather", "ring"):
-        return (n - 1) * pieces * a + frac * s * b
-    if key == ("reduce_scatter", "naive"):
-        return 2 * (n - 1) * a + (n - 1) * (1 + 1 / n) * s * b + (n - 1) * s * g
-    if key == ("reduce_scatter", "ring"):
-        return (n - 1) * pieces * a + frac * s * b + frac * s * g
-    raise ValueError(f"no cost model for {collective} with algorithm {algorithm!r}")
+__all__ = [
+    "BUS_FACTORS",
+    "CommOp",
+    "Link",
+    "LinkModel",
+    "PIECE_BYTES",
+    "algbw",
+    "bus_factor",
+    "busbw",
+    "link_for",
+    "op_time",
+    "predict",
+    "ring_pieces",
+    "step_ops",
+]
 
 
 # ---- planning: one step's collectives on a cluster ---------------------------------------------------------
