@@ -64,10 +64,10 @@ from paratrain.plan.layout import Layout
 
 __all__ = [
     "BUS_FACTORS",
+    "PIECE_BYTES",
     "CommOp",
     "Link",
     "LinkModel",
-    "PIECE_BYTES",
     "algbw",
     "bus_factor",
     "busbw",
