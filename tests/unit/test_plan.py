@@ -217,7 +217,10 @@ def test_json_contract() -> None:
         assert set(p["layout"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
         assert set(p["bytes_per_rank"]) == {"params", "grads", "optimizer", "activations", "buffers", "peak"}
         b = p["bytes_per_rank"]
-        assert b["peak"] == pytest.approx(sum(v for k, v in b.items() if k != "peak"), abs=3)
+        # the peak is one moment of the step (plan/peak.py): its terms add up to it, and it never holds more
+        # than every component at once
+        assert b["peak"] == pytest.approx(sum(p["peak_moment"]["terms"].values()), abs=8)
+        assert b["peak"] <= sum(v for k, v in b.items() if k != "peak") + 8
         assert 0 < p["mfu"] <= 0.5 + 1e-9
     one = run_json("--model", "llama2-7b", "--gpus", "8", "--strategy", "zero2")
     assert [p["strategy"] for p in one["plans"]] == ["zero2"]
@@ -383,3 +386,125 @@ def test_predict_run_for_the_measured_against_predicted_benchmark() -> None:
     assert p["bytes_per_rank"]["peak"] > p["model_state_bytes_per_rank"]
     with pytest.raises(ConfigError, match="give --strategy"):
         predict_run(["--model", "mlp", "--cluster", "cpu-local"])
+
+
+# ---- the peak as paratrain runs it (plan/implementation.py, plan/peak.py) -------------------------------------
+DEBUG = TransformerShape(
+    dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=256, max_seq_len=256
+)
+
+
+def test_paratrain_llama_layer_by_hand() -> None:
+    from paratrain.plan import implementation as impl
+
+    s, b, h, f, a = 64, 32, 64, 192, 4
+    sbh, sbf, sb = s * b * h, s * b * f, s * b
+    # fp32, per layer: 2 norms x (input + normed output) + 2 shared linear inputs + q, repeated k, v, SDPA output
+    # = 10 sbh; SwiGLU 4 sbf; 2 rstd (sb) + logsumexp (a·sb)
+    assert impl.layer(DEBUG, s, b) == 4 * (10 * sbh + 4 * sbf + 2 * sb + a * sb)
+    # against Korthikanti's Llama in fp32 (6 + 2kv/h + 4f/h elements): the two unfused normed outputs and K/V
+    # repeated to all heads add 2 + 2(1 - kv/h) sbh (the logsumexp and rstd are the rest)
+    kv_h = 32 / 64
+    assert impl.layer(DEBUG, s, b) - act.layer(DEBUG, s, b, act_bytes=4) == 4 * (
+        (2 + 2 * (1 - kv_h)) * sbh + 2 * sb + a * sb
+    )
+    # torch's sequence parallelism, t = 2: the norms on sequence shards, the gathered linear inputs kept whole
+    assert impl.layer(DEBUG, s, b, t=2, sp=True) == 4 * (
+        (4 * sbh + 2 * sb) / 2 + 2 * sbh + (4 * sbh + a * sb + 4 * sbf) / 2
+    )
+    # the math path (attention="eager") keeps the a·s² probabilities instead of the logsumexp
+    assert impl.layer(DEBUG, s, b, attention="eager") - impl.layer(DEBUG, s, b) == 4 * (a * s * sb - a * sb)
+    # last stage: final norm (input, normed, rstd), output input, log-softmax s·b·V, int64 targets; logits
+    # gathered to all V on each TP rank unless loss parallel
+    assert impl.last_extra(DEBUG, s, b) == 4 * (2 * sbh + sb) + 4 * sbh + 4 * sb * 256 + 8 * sb
+    assert (
+        impl.last_extra(DEBUG, s, b, t=2, sp=True) == 4 * (2 * sbh + sb) / 2 + 4 * sbh + 4 * sb * 256 + 8 * sb
+    )
+    assert impl.loss_grad(DEBUG, s, b) == 2 * 4 * sb * 256
+    assert impl.loss_grad(DEBUG, s, b, t=2, loss_parallel=True) == 4 * sb * 256
+
+
+def test_paratrain_llama_formula_equals_what_autograd_saves() -> None:
+    """The implementation figure against the real module: every storage autograd saves, on CPU, fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    from paratrain.models.llama import Llama, LlamaConfig
+    from paratrain.plan import implementation as impl
+
+    cfg = LlamaConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=48, max_seq_len=16
+    )
+    shape = TransformerShape(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=48, max_seq_len=16
+    )
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    b, s = 3, 16
+    x, y = torch.randint(0, 48, (b, s)), torch.randint(0, 48, (b, s))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    tables = {t.untyped_storage().data_ptr() for t in model.buffers()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params | tables:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    expected = impl.stage(shape, layers=2, first=True, last=True, s=s, b=b)
+    assert sum(saved.values()) == expected + 4  # + nll_loss's scalar total_weight (rotary tables excluded)
+
+
+def _step(**kw: Any) -> Any:
+    from paratrain.plan import peak as pk
+
+    return pk.StepShape(**{"on_device": True, "activations": 0.0, "d": mem.dtypes("fp32"), **kw})
+
+
+def test_fsdp_peak_is_one_unit_reducing_and_one_prefetched() -> None:
+    """MLP 64-128-128-10 under zero3 on 2 Gloo ranks: units fc0 (8,320) and fc1 (16,512), root head (1,290)."""
+    from paratrain.plan import peak as pk
+
+    units, root, n = (8320.0, 16512.0), 1290.0, 2
+    psi = sum(units) + root
+    s = _step(states=mem.model_states(psi, n, "full", mem.dtypes("fp32")), psi=psi, sharding="full", n=n, dp=n,
+              units=units, root=root, unit_activations=(100.0, 200.0), unit_input_grad=50.0, cpu=True)  # fmt: skip
+    got = pk.peak(s)
+    assert got.phase == "FSDP post-backward of unit 1"
+    # sharded params 4Ψ/N + Adam 8Ψ/N; unit 0's activations; root params + grads unsharded; unit 1's
+    # reduce-scatter input, output (÷N) and Gloo's copy of the input; unit 0 prefetched; the input gradient
+    assert (
+        got.total == 4 * psi / n + 8 * psi / n + 100 + 8 * root + 4 * 16512 * (1 + 1 / 2 + 1) + 4 * 8320 + 50
+    )
+    # NCCL reduces in place: the larger moment is unit 1 computing, its parameters and gradients unsharded
+    nccl = pk.peak(_step(**{**s.__dict__, "cpu": False}))
+    assert nccl.total == 4 * psi / n + 8 * psi / n + 100 + 8 * root + 8 * 16512 + 4 * 8320 + 50
+
+
+def test_ddp_and_zero_peak_moments_by_hand() -> None:
+    from paratrain.plan import peak as pk
+
+    psi, n, big = 26122.0, 2, 16384.0  # the MLP; its largest tensor is the 128x128 weight
+    d = mem.dtypes("fp32")
+    ddp = pk.peak(_step(states=mem.model_states(psi, n, "none", d), psi=psi, sharding="none", n=1, dp=n,
+                        largest_tensor=big, batch=99.0))  # fmt: skip
+    # CPU AdamW's single-tensor loop: sqrt(exp_avg_sq) and its quotient, 2 x the largest tensor; DDP's buckets Ψ
+    assert ddp.phase == "optimizer update"
+    assert ddp.total == 16 * psi + 2 * 4 * big + 4 * psi + 99
+    zero1 = pk.peak(_step(states=mem.model_states(psi, n, "optimizer", d), psi=psi, sharding="optimizer", n=n, dp=n,
+                          largest_tensor=big / n, batch=99.0))  # fmt: skip
+    # step() waits for the reduce-scatter: full grads, the send buffer, Gloo's copy of it, the reduced shard
+    assert zero1.phase == "step() waits for the reduce-scatters"
+    assert zero1.total == (8 * psi + 8 * psi / n) + 4 * psi + 4 * psi + 4 * psi / n + 99
+    # a model of many 25 MiB buckets: at most 2 send buffers in flight, Gloo copies the one being reduced
+    huge = 1e9
+    many = _step(
+        states=mem.model_states(huge, 8, "grads", d), psi=huge, sharding="grads", n=8, dp=8, cpu=False
+    )
+    wait = {m.phase: m for m in pk.moments(many)}["step() waits for the reduce-scatters"]
+    assert wait.terms["send buffers"] == 2 * 25 * 2**20 and "gloo reduce-scatter copy" not in wait.terms
+    # on a GPU, foreach AdamW's sqrt over every state this rank holds (Ψ/N x 4) is then the peak
+    assert pk.peak(many).terms["optimizer temporaries"] == 4 * huge / 8

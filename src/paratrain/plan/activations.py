@@ -29,10 +29,10 @@ width of K and V (n_kv_heads × head_dim), V vocabulary. Bytes, 16-bit activatio
 - TP without SP replicates the two norm inputs and the wq/wk/wv and w1/w3 inputs: **sbh(8 + (4 + 4kv/h +
   8f/h + 2as/h)/t)**; with SP everything divides by t.
 - Not counted (small, or implementation detail): RMSNorm's fp32 rstd (4sb), FlashAttention's logsumexp
-  (4asb), int64 token ids. An unfused eager RMSNorm also keeps its normalised output (+2sbh per norm);
-  a ``repeat_kv`` that materialises K/V at n_heads before attention keeps 4sbh(1 − kv/h) more; an fp32
-  softmax keeps 4as²b more; torch's DTensor SP keeps the all-gathered wq/wk/wv and w1/w3 inputs
-  (Megatron re-gathers them in backward): +4sbh(1 − 1/t).
+  (4asb), int64 token ids. What paratrain's own Llama keeps on top (unfused RMSNorm's normalised output,
+  K/V repeated to n_heads, torch's SP keeping the all-gathered linear inputs, the gathered logits) is
+  derived in :mod:`paratrain.plan.implementation`; the planner's peak uses that figure, this one is the
+  reference it reports as ``activations_korthikanti``.
 
 **Attention kernels**: ``attention="sdpa"`` (FlashAttention / memory-efficient SDPA) recomputes the
 attention scores in backward, dropping the as²-term; ``"eager"`` keeps it.

@@ -24,8 +24,10 @@ from typing import Any
 
 from paratrain.errors import ConfigError
 from paratrain.plan import activations as act
+from paratrain.plan import implementation as impl
 from paratrain.plan import layout as lay
 from paratrain.plan import memory as mem
+from paratrain.plan import peak as pk
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
@@ -54,6 +56,9 @@ class Workload:
     offload: bool = False
     attention: str = "sdpa"
     sequence_parallel: bool = True
+    loss_parallel: bool = False
+    """TP: keep the logits vocabulary-sharded through the loss (``--set strategy.loss_parallel=true`` in train);
+    off, paratrain's output layer gathers them to the full vocabulary on every TP rank."""
     pp_schedule: str = "1f1b"
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
@@ -129,26 +134,54 @@ def evaluate(
         root = (spec.first if first else ParamGroup()) + (spec.last if last else ParamGroup())
         psi = sum(g.per_rank(t) for g in groups) + root.per_rank(t)
         states = mem.model_states(psi, n, sharding, d)
-        unit = max([g.per_rank(t) for g in groups] + [root.per_rank(t)])
         hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
+        reference = activations = 0.0
+        shape_kw: dict[str, Any] = {}
         if spec.states_only:
-            activations = buffers = 0.0
+            moment = pk.Peak("model states only", {"params": states.params, "grads": states.grads,
+                                                   "optimizer": states.optimizer})  # fmt: skip
         else:
-            buffers = mem.buffers(
-                psi, n, layout.dp, sharding, d, unit, w.precision, w.gradient_as_bucket_view
-            )
+            micro = act.in_flight(w.pp_schedule, batch.micro, layout.pp, i)
             if spec.shape is not None:
-                micro = act.in_flight(w.pp_schedule, batch.micro, layout.pp, i)
-                activations = act.stage(
-                    spec.shape, layers=len(groups), first=first, last=last, s=batch.seq_len, b=batch.size, t=t,
-                    sp=sp, attention=w.attention, act_bytes=d.activation, recompute=recompute, micro=micro,
+                sh, s_, b_ = spec.shape, batch.seq_len, batch.size
+                reference = act.stage(
+                    sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp, attention=w.attention,
+                    act_bytes=d.activation, recompute=recompute, micro=micro,
                 )  # fmt: skip
+                if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
+                    activations = impl.stage(
+                        sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp,
+                        loss_parallel=w.loss_parallel and t > 1, attention=w.attention, act_bytes=d.activation,
+                        recompute=recompute, micro=micro,
+                    )  # fmt: skip
+                    per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+                    loss_grad = impl.loss_grad(sh, s_, b_, t, w.loss_parallel and t > 1) if last else 0.0
+                    before = micro * impl.first_extra(sh, s_, b_) if first else 0.0
+                else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
+                    activations = reference
+                    per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+                    loss_grad = before = 0.0
+                kept = (s_ * b_ * sh.dim * d.activation / (t if sp else 1)) if recompute else per_layer
+                shape_kw = {"unit_activations": (micro * kept,) * len(groups), "before_units": before,
+                            "unit_input_grad": s_ * b_ * sh.dim * d.activation / (t if sp else 1),
+                            "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64}  # fmt: skip
             elif spec.profile is not None:
-                activations = act.module(spec.profile, batch.size, d.activation, recompute)
-            else:
-                activations = 0.0
-        on_device = 0.0 if w.offload else states.total
-        peak = on_device + activations + buffers
+                reference = activations = act.module(spec.profile, batch.size, d.activation, recompute)
+                prof, scale = spec.profile, batch.size * d.activation / 4
+                shape_kw = {"unit_activations": tuple(x * scale for x in prof.blocks_saved),
+                            "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
+                            "batch": prof.batch * batch.size}  # fmt: skip
+            largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
+            moment = pk.peak(pk.StepShape(
+                states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
+                dp=layout.dp, d=d, units=tuple(g.per_rank(t) for g in groups), root=root.per_rank(t),
+                largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
+                bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
+                cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0, **shape_kw,
+            ))  # fmt: skip
+        counted = ("params", "grads", "optimizer", "activations")
+        buffers = sum(v for k, v in moment.terms.items() if k not in counted)
+        peak = moment.total
         ops = step_ops(
             layout=layout, sharding=sharding, psi=psi, grad_bytes=d.compute if sharding == "full" else d.grad,
             param_bytes=d.param, compute_bytes=d.compute, units=len(groups) + 1,
@@ -171,6 +204,8 @@ def evaluate(
             },
             "model_state_bytes_per_rank": round(states.total),
             "fits": peak <= cluster.gpu_mem_bytes,
+            "peak_moment": {"phase": moment.phase, "terms": {k: round(v) for k, v in moment.terms.items()}},
+            "activations_korthikanti": round(reference),
         }  # fmt: skip
         if best is None or peak > best["bytes_per_rank"]["peak"]:
             best = row
@@ -186,6 +221,8 @@ def evaluate(
         "bytes_per_rank": best["bytes_per_rank"],
         "model_state_bytes_per_rank": best["model_state_bytes_per_rank"],
         "fits": best["fits"],
+        "peak_moment": best["peak_moment"],
+        "activations_korthikanti": best["activations_korthikanti"],
         "comm_bytes_per_rank_per_step": slowest[1]["comm_bytes_per_rank_per_step"],
         "step_time_s": step,
         "mfu": useful / (step * cluster.gpus * cluster.gpu_flops) if step > 0 else None,

@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa drops the a·s² term")
     s.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"], help="default 1f1b")
     s.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
+    s.add_argument("--loss-parallel", action="store_true",
+                   help="TP: vocabulary-sharded logits through the loss (train: --set strategy.loss_parallel=true)")  # fmt: skip
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", help=f"preset: {', '.join(cl.PRESETS)} (default h100-nvlink-ib)")
     c.add_argument("--calibrate", metavar="FILE", help="fit α, β from `paratrain bench comm --json` output")
@@ -183,7 +185,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster) -> Workload:
         batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, microbatches=args.microbatches,
         activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer, precision=precision,
         offload=args.offload, attention=args.attention, sequence_parallel=not args.no_sequence_parallel,
-        pp_schedule=args.pp_schedule,
+        loss_parallel=args.loss_parallel, pp_schedule=args.pp_schedule,
     )  # fmt: skip
 
 

@@ -78,6 +78,12 @@ class Cluster:
             )
 
     @property
+    def on_cpu(self) -> bool:
+        """Ranks on CPUs talking through Gloo (``cpu-local``): Gloo's collectives and torch's CPU optimizer
+        paths decide some of the step's temporary buffers (:mod:`paratrain.plan.peak`)."""
+        return self.name.startswith("cpu-local")
+
+    @property
     def nodes(self) -> int:
         return max(1, -(-self.gpus // self.gpus_per_node))
 

@@ -21,22 +21,8 @@ nothing without momentum (4Ψ master).
 
 **Activations**: :mod:`paratrain.plan.activations`.
 
-**Temporary buffers** (live during a step, not at rest):
-
-- ddp/dp: the gradient buckets. torch DDP's reducer allocates every bucket of ``bucket_cap_mb`` up front,
-  and paratrain's ``dp`` does the same, so the buckets hold a second copy of all gradients, Ψ × grad bytes
-  (zero with ``gradient_as_bucket_view``, where the gradients *are* views of the buckets).
-- zero1/zero2: the full-size reduce-scatter send buffers, Ψ × grad bytes while the asynchronous
-  reduce-scatters of all buckets are in flight (then the all-gather's output, the same size, after the
-  step); zero1 also holds the reduced shard, Ψ/N, until the step.
-- FSDP (``full``): the unsharded parameters and gradients of the largest unit (one block, or the root:
-  embedding + norm + head), in the compute dtype, times 2 for the prefetched next unit.
-- bf16/fp16 autocast without FSDP: autocast's cast cache keeps a bf16 copy of every weight used in forward until
-  backward has used it: 2Ψ.
-
-**Peak** = model states on the device + activations + buffers: it assumes the largest buffers, all
-gradients and all saved activations are live at once (the moment backward starts). Not modelled: the CUDA
-context and NCCL's own buffers (~0.5–1 GB on a GPU), allocator fragmentation, optimizer-step temporaries.
+**Temporary buffers and the peak**: :mod:`paratrain.plan.peak` (what is live at each moment of a step that can
+be the highest: backward's start, FSDP's per-unit post-backward, ZeRO's reduce-scatter, the optimizer step).
 With ``--offload`` (FSDP only) the states live in host memory and the device peak excludes them.
 """
 
@@ -116,28 +102,3 @@ def model_states(psi: float, n: int, sharding: str, d: Dtypes) -> States:
     if sharding == "grads":
         return States(p, g / n, o / n)
     return States(p / n, g / n, o / n)
-
-
-def buffers(
-    psi: float,
-    n: int,
-    dp: int,
-    sharding: str,
-    d: Dtypes,
-    largest_unit: float,
-    precision: str,
-    gradient_as_bucket_view: bool = False,
-) -> float:
-    """Temporary bytes of one step on one rank (see the module docstring). ``largest_unit``: parameters of
-    the largest FSDP unit on this rank (already divided by tp); ``dp``: data-parallel ranks."""
-    cast_cache = 2 * psi if precision in ("bf16", "fp16") and sharding != "full" else 0.0
-    if sharding == "full":
-        return 2 * largest_unit * (d.compute + d.compute)
-    if sharding == "none":
-        buckets = psi * d.grad if dp > 1 and not gradient_as_bucket_view else 0.0
-        return buckets + cast_cache
-    if n == 1:
-        return cast_cache
-    send = psi * d.grad
-    reduced = psi * d.grad / n if sharding == "optimizer" else 0.0
-    return send + reduced + cast_cache

@@ -148,6 +148,8 @@ class ActivationProfile:
     """Per sample, each block's input (what activation checkpointing keeps instead)."""
     flops: float
     """Forward + backward FLOPs per sample (``torch.utils.flop_counter``)."""
+    batch: float = 0.0
+    """Bytes per sample of the batch on the device: the fp32 input and, for a classifier, its int64 target."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,8 @@ class ModelSpec:
     last: ParamGroup = field(default_factory=ParamGroup)
     """Parameters of the last stage (final norm, output head), and of models without blocks."""
     profile: ActivationProfile | None = None
+    largest_tensor: ParamGroup = field(default_factory=ParamGroup)
+    """The largest parameter tensor (sharded over tp if it is a matrix): the optimizer's per-tensor temporaries."""
     states_only: bool = False
     """A bare parameter count: model states only (no activations, buffers or TP/PP)."""
 
@@ -187,9 +191,11 @@ def spec_from_params(num_params: float, name: str | None = None) -> ModelSpec:
 
 
 def spec_from_shape(shape: TransformerShape, name: str) -> ModelSpec:
+    h, v = shape.dim, shape.vocab_size
+    largest = max(v * h, shape.ffn_hidden * h, h * h, shape.max_seq_len * h if shape.arch == "gpt" else 0)
     return ModelSpec(
         name=name, num_params=shape.num_params(), shape=shape, first=shape.embedding(),
-        layers=(shape.layer(),) * shape.n_layers, last=shape.head(),
+        layers=(shape.layer(),) * shape.n_layers, last=shape.head(), largest_tensor=ParamGroup(sharded=largest),
     )  # fmt: skip
 
 
@@ -213,11 +219,12 @@ def spec_from_module(
     blocks = _blocks(module)
     where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     per_block = [ParamGroup() for _ in blocks]
-    first, last, total = ParamGroup(), ParamGroup(), 0
+    first, last, largest, total = ParamGroup(), ParamGroup(), ParamGroup(), 0
     for pname, p in module.named_parameters():
         n = p.numel()
         total += n
         g = ParamGroup(sharded=n) if p.dim() >= 2 else ParamGroup(replicated=n)
+        largest = g if n > largest.total else largest
         if id(p) in where:
             per_block[where[id(p)]] += g
         elif any(k in pname.lower() for k in ("embed", "wte", "wpe")):
@@ -234,4 +241,4 @@ def spec_from_module(
 
         profile = profile_module(module, blocks, input_shape)
     return ModelSpec(name=name, num_params=total, shape=shape, first=first, layers=tuple(per_block), last=last,
-                     profile=profile)  # fmt: skip
+                     profile=profile, largest_tensor=largest)  # fmt: skip

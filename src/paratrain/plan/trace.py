@@ -11,6 +11,7 @@ pass. A batch of 2 is traced and divided by 2 (BatchNorm needs more than one sam
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -87,4 +88,5 @@ def profile_module(
         blocks_saved=tuple(s / _BATCH for s in saved_in),
         blocks_input=tuple(s / _BATCH for s in inputs),
         flops=float(counter.get_total_flops()) / _BATCH,
+        batch=math.prod(input_shape) * 4 + (8 if out.dim() == 2 else 0),
     )

@@ -1,0 +1,100 @@
+"""What paratrain's own Llama (``models/llama.py``) keeps for backward, op by op: the activations the peak uses.
+
+Korthikanti et al.'s formulas (:mod:`paratrain.plan.activations`) describe Megatron's fused kernels. paratrain's
+Llama is plain PyTorch, and autograd keeps what each op's backward needs. Notation as in
+:mod:`~paratrain.plan.activations`; f = ffn_hidden, a = n_heads, V = vocabulary, *E* = bytes of an activation
+(4 in fp32), *F* = 4 (tensors the code computes in float32 whatever the precision). Per layer, without TP:
+
+- each ``RMSNorm`` (two per layer) keeps its input (``x32.pow(2)`` and ``x32 * rsqrt``), its fp32 reciprocal
+  RMS (sb·F) and its normalised output before the weight (``normed * weight`` needs ``normed``): 2 × (2sbh·F +
+  sb·F). Megatron's fused norm keeps the input only.
+- ``wq``/``wk``/``wv`` share one saved input (the first norm's output) and ``w1``/``w3`` another: 2sbh·E.
+- RoPE keeps nothing (the rotation's gradient needs only the cos/sin tables). ``repeat_interleave`` widens K
+  and V to all a heads before SDPA, which keeps q, the *repeated* k and v, and its output (which is also
+  ``wo``'s input, a view): 4sbh·E. Megatron keeps K and V at n_kv_heads: 2sbh(1 + kv/h)·E.
+- SDPA on CPU (``_scaled_dot_product_flash_attention_for_cpu``) and on CUDA (Flash / memory-efficient) keeps
+  the logsumexp, a·sb·F, and no a·s² probabilities. ``attention="eager"`` (the math path) keeps the softmax
+  output a·s²b·E instead.
+- SwiGLU keeps w1's and w3's outputs, silu's output and the product (w2's input): 4sbf·E, as Korthikanti.
+
+Total **sbh·(4F + 6E) + 4sbf·E + sb·(2 + a)·F**: 10sbh + 4sbf elements in fp32, against the Korthikanti
+Llama's 6 + 2kv/h + 4f/h (:func:`paratrain.plan.activations.llama_layer` in elements). The difference,
+2 + 2(1 − kv/h) sbh, is the two unfused normalised outputs and the repeated K/V.
+
+**Tensor parallelism** is torch's (``parallel/tensor.py``, ``models/llama_parallel.tp_plan``): heads and the
+MLP width are split, so the attention and SwiGLU terms divide by t. With sequence parallelism the norms run on
+sequence shards (their terms divide by t), but ``PrepareModuleInput`` all-gathers the norm's output to the full
+sequence before the column-parallel linears, and autograd keeps that *gathered* tensor as their input:
+2sbh·E per layer undivided. Megatron keeps it sharded and re-gathers it in backward, which is what
+Korthikanti's sbh·34/t counts. Without SP the norms are replicated too.
+
+**First and last stage.** The embedding keeps the token ids (sb int64). The last stage keeps the final norm's
+input, normed output and rstd (÷ t with SP), the output layer's input (gathered, full), the targets (sb int64)
+and cross-entropy's log-softmax, sbV·F. paratrain's output layer gathers the logits to all V on every TP rank
+unless ``strategy.loss_parallel`` is set, so this is ÷ t only with loss parallelism.
+
+**Backward starts** with two more logits-sized tensors live at once: ``nll_loss_backward``'s gradient of the
+log-probabilities and ``_log_softmax_backward_data``'s gradient of the logits, 2sbV·F (÷ t with loss
+parallelism): :func:`loss_grad`.
+
+Checked exactly against a ``saved_tensors_hooks`` trace of the real module (``tests/unit/test_plan.py``):
+what is left is the rotary tables (buffers, max_seq_len·head_dim·4 bytes) that RoPE keeps a view of, and
+the loss's 4-byte total weight.
+Verified in fp32 (paratrain's CPU runs). Under bf16/fp16 autocast the residual stream and the norms stay in
+fp32 (F), and the linear inputs are the autocast copies at E; autocast casts a shared input once per linear
+(three copies for wq/wk/wv), which is not counted: that case has not been measured.
+"""
+
+from __future__ import annotations
+
+from paratrain.plan.model import TransformerShape
+
+F32 = 4
+"""Bytes of the tensors the model computes in float32 at any precision (norm internals, logsumexp, the loss)."""
+INT64 = 8
+
+
+def layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False, attention: str = "sdpa",
+          act_bytes: int = 4) -> float:  # fmt: skip
+    """Bytes one paratrain Llama layer keeps for backward on one rank (see the module docstring)."""
+    sb, h, f, a, e = s * b, shape.dim, shape.ffn_hidden, shape.n_heads, act_bytes
+    norms = 2 * (2 * sb * h + sb) * F32  # per norm: input + normed output (sbh each) and rstd (sb), fp32
+    linear_inputs = 2 * sb * h * e  # wq/wk/wv's and w1/w3's shared inputs (SP: gathered, full sequence)
+    attention_kept = 4 * sb * h * e  # q, repeated k and v, SDPA output (= wo's input)
+    attention_kept += a * sb * F32 if attention == "sdpa" else a * s * sb * e  # logsumexp, or probabilities
+    mlp = 4 * sb * f * e  # w1 out, w3 out, silu out, product
+    return norms / (t if sp else 1) + linear_inputs + (attention_kept + mlp) / t
+
+
+def first_extra(shape: TransformerShape, s: int, b: float) -> float:
+    """The embedding's token ids (int64), replicated on every TP rank."""
+    return s * b * INT64
+
+
+def last_extra(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False,
+               loss_parallel: bool = False, act_bytes: int = 4) -> float:  # fmt: skip
+    """Final norm (input, normed, rstd), the output layer's input, the targets and the log-softmax."""
+    sb, h = s * b, shape.dim
+    norm = (2 * sb * h + sb) * F32 / (t if sp else 1)
+    head_input = sb * h * act_bytes  # all-gathered to the full sequence with SP, replicated without
+    log_probs = sb * shape.vocab_size * F32 / (t if loss_parallel else 1)
+    return norm + head_input + log_probs + sb * INT64
+
+
+def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parallel: bool = False) -> float:
+    """Transient bytes when backward starts: the gradients of the log-probabilities and of the logits."""
+    return 2 * s * b * shape.vocab_size * F32 / (t if loss_parallel else 1)
+
+
+def stage(shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
+          sp: bool = False, loss_parallel: bool = False, attention: str = "sdpa", act_bytes: int = 4,
+          recompute: bool = False, micro: int = 1) -> float:  # fmt: skip
+    """Activation bytes of one pipeline stage with ``micro`` micro-batches in flight (as
+    :func:`paratrain.plan.activations.stage`, with paratrain's own per-layer figure). Under full recomputation a
+    layer keeps its input, the residual stream: sbh·E (÷ t with SP), plus one layer's working set."""
+    full = layer(shape, s, b, t, sp, attention, act_bytes)
+    kept = s * b * shape.dim * act_bytes / (t if sp else 1) if recompute else full
+    per_micro = layers * kept
+    per_micro += first_extra(shape, s, b) if first else 0.0
+    per_micro += last_extra(shape, s, b, t, sp, loss_parallel, act_bytes) if last else 0.0
+    return micro * per_micro + (full if recompute and layers else 0.0)

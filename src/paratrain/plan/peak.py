@@ -1,0 +1,175 @@
+"""The peak bytes of one training step: what is live at the two moments that can be the highest.
+
+The old estimate (model states + all activations + every buffer at once) cannot happen: backward frees the
+activations while it creates the gradients, and the optimizer step runs after both. What paratrain runs
+(``train/trainer.py``: ``zero_grad(set_to_none=True)``, forward, backward, ``step()``) has these candidates, and
+the peak is the largest of them:
+
+1. **Backward starts.** Parameters and optimizer state (no gradients: they were set to None), every saved
+   activation, the loss's gradient (:func:`paratrain.plan.implementation.loss_grad`), and the buffers that
+   exist then: DDP's gradient buckets (allocated once, a second copy of the gradients, Ψ × grad bytes);
+   under bf16/fp16 autocast
+   without FSDP, the 16-bit copy of every weight that forward used (autocast's cast cache, 2Ψ).
+2. **FSDP: a unit's post-backward** (``_fsdp_param_group.post_backward``), for each unit u, last to first.
+   FSDP2 first reshards u's parameters, then ``foreach_reduce`` copies u's unsharded gradients into a
+   reduce-scatter input (P_u) and allocates the output (P_u/N). Gloo's ``reduce_scatter`` works on one
+   more full-size copy of its input (P_u; measured: a 64 KiB reduce-scatter peaks at 2.5× its input under
+   MemTracker; NCCL reduces in place). Live with them: the backward prefetch of unit u−1's parameters
+   (P_{u−1}, all-gathered before u's gradients are reduced), the root's parameters and gradients (unsharded
+   until the end of backward), the gradient w.r.t. u's input, and the activations of the units not yet
+   back-propagated. On NCCL the larger moment is while u computes: its parameters and gradients unsharded,
+   2P_u. FSDP holds *one* unit plus one prefetched, never "the largest unit × 2". (paratrain reshards the root
+   after forward too, so when backward starts no unit is unsharded; the root is gathered again for its
+   backward, right after the loss's, and stays until the end.)
+3. **ZeRO-1/2: ``step()`` waits for the reduce-scatters** (``parallel/zero.py``) launched during backward: full
+   gradients (ZeRO-1; ZeRO-2 frees each gradient once it is in the send buffer), the send buffers of at most
+   ``MAX_IN_FLIGHT`` = 2 buckets, Gloo's copy of the one being reduced, and the reduced shard Ψ/N. The
+   activations are gone.
+4. **The optimizer update.** States with the gradients the step reads, DDP's buckets, ZeRO-1's reduced shard,
+   and the optimizer's temporaries. torch's Adam/AdamW on CPU runs the single-tensor loop: ``exp_avg_sq.sqrt()``
+   and its quotient are two temporaries of one parameter's size (2 × the largest local tensor). On CUDA it
+   defaults to ``foreach``: ``_foreach_sqrt`` of every state at once (Ψ × 4). SGD updates in place.
+5. **ZeRO-1/2: the all-gather of the updated rows**: a bucket's full-size buffer and this rank's rows.
+
+Not modelled: the rotary tables and other module buffers (16 KiB for llama-debug), Python/allocator overhead,
+a data loader's larger storage behind a batch slice, and on a GPU the CUDA context, NCCL buffers and
+fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paratrain.plan.memory import Dtypes, States
+
+MAX_IN_FLIGHT = 2
+"""``parallel.zero.MAX_IN_FLIGHT``: reduce-scatters (and their send buffers) ZeRO-1/2 keep in flight at once."""
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The highest of the step's candidate moments: its name and the bytes live then, by term."""
+
+    phase: str
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Everything the peak needs about one rank's step (built by :func:`paratrain.plan.api.evaluate`)."""
+
+    states: States
+    """At-rest model states on this rank (after ``step()``)."""
+    on_device: bool
+    """False with ``--offload``: the states live in host memory."""
+    activations: float
+    """Bytes saved for backward (all in-flight micro-batches)."""
+    psi: float
+    """Parameters on this rank before data-parallel sharding (after tp and pp)."""
+    sharding: str
+    n: int
+    """The dp_shard degree."""
+    dp: int
+    """Data-parallel ranks (gradients are reduced over them)."""
+    d: Dtypes
+    loss_grad: float = 0.0
+    """Transient bytes when backward starts (the loss's gradient)."""
+    units: tuple[float, ...] = ()
+    """FSDP: parameters of each unit (block) on this rank, in forward order, before sharding."""
+    unit_activations: tuple[float, ...] = ()
+    """Activations each unit keeps (same order), and, for the FSDP moments, what is kept before the first one."""
+    before_units: float = 0.0
+    unit_input_grad: float = 0.0
+    """Bytes of the gradient w.r.t. a unit's input (the residual stream, or a block's input)."""
+    root: float = 0.0
+    """FSDP: parameters of the root unit (embedding, final norm, head) on this rank, before sharding."""
+    largest_tensor: float = 0.0
+    """Elements of the largest parameter tensor this rank's optimizer updates."""
+    optimizer: str = "adamw"
+    cpu: bool = True
+    """Gloo and torch's CPU optimizer paths (``cpu-local``), else NCCL and CUDA's."""
+    bucket_bytes: float = 25 * 2**20
+    gradient_as_bucket_view: bool = False
+    batch: float = 0.0
+    """The batch on the device (inputs, targets). Saved activations already hold it; the moments after them
+    (ZeRO's reduce-scatter, the optimizer step) count it on its own."""
+    cast_copies: float = 0.0
+    """bf16/fp16 autocast without FSDP: the 16-bit copy of every weight forward used, kept for backward."""
+
+
+def optimizer_temporaries(s: StepShape) -> float:
+    if s.optimizer not in ("adam", "adamw"):
+        return 0.0
+    if s.cpu:
+        return 2 * s.largest_tensor * 4  # sqrt(exp_avg_sq) and its quotient by the bias correction, fp32
+    held = s.psi / s.n if s.sharding != "none" else s.psi
+    return held * 4  # _foreach_sqrt over every exp_avg_sq
+
+
+def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
+    c, g, n = s.d.compute, s.d.grad, s.n
+    out = []
+    reduced = 0.0  # sharded gradients of the units already reduced (last to first)
+    for u in range(len(s.units) - 1, -1, -1):
+        p_u = s.units[u]
+        reduce = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0)
+        compute = p_u * (c + g)
+        terms = dict(base)
+        terms["grads"] = reduced
+        terms["activations"] = s.before_units + sum(s.unit_activations[:u])
+        terms["fsdp root (params + grads)"] = s.root * (c + g)
+        terms[f"unit {u} {'reduce-scatter' if reduce >= compute else 'unsharded'}"] = max(reduce, compute)
+        terms["prefetched unit"] = s.units[u - 1] * c if u > 0 else 0.0
+        terms["input gradient"] = s.unit_input_grad
+        out.append(Peak(f"FSDP post-backward of unit {u}", terms))
+        reduced += p_u * g / n
+    return out
+
+
+def peak(s: StepShape) -> Peak:
+    """The highest candidate moment of the step (see the module docstring)."""
+    return max(moments(s), key=lambda p: p.total)
+
+
+def moments(s: StepShape) -> list[Peak]:
+    """Every candidate moment of the step, in the order they happen."""
+    st, g, n = s.states, s.d.grad, s.n
+    dev = 1.0 if s.on_device else 0.0
+    base = {"params": st.params * dev, "optimizer": st.optimizer * dev}
+    buckets = s.psi * g if s.sharding == "none" and s.dp > 1 and not s.gradient_as_bucket_view else 0.0
+    start = {**base, "activations": s.activations, "loss gradient": s.loss_grad}
+    if buckets:
+        start["ddp buckets"] = buckets
+    if s.cast_copies:
+        start["autocast weight copies"] = s.cast_copies
+    out = [Peak("backward starts", start)]
+    if s.sharding == "full" and n > 1:
+        out += _fsdp_unit_moments(s, base)
+    sharded_opt = s.sharding in ("optimizer", "grads") and n > 1
+    if sharded_opt:
+        send = min(s.psi * g, MAX_IN_FLIGHT * s.bucket_bytes)
+        wait = {**base, "grads": st.grads if s.sharding == "optimizer" else 0.0, "send buffers": send,
+                "reduced shard": s.psi * g / n, "batch": s.batch}  # fmt: skip
+        if s.cpu:
+            wait["gloo reduce-scatter copy"] = min(s.psi * g, s.bucket_bytes)
+        out.append(Peak("step() waits for the reduce-scatters", wait))
+    update = {
+        **base,
+        "grads": st.grads * dev,
+        "optimizer temporaries": optimizer_temporaries(s),
+        "batch": s.batch,
+    }
+    if buckets:
+        update["ddp buckets"] = buckets
+    if sharded_opt and s.sharding == "optimizer":
+        update["reduced shard"] = s.psi * g / n  # ZeRO-1: the full gradients stay, the reduced rows are extra
+    out.append(Peak("optimizer update", update))
+    if sharded_opt:
+        gathered = min(s.psi * s.d.param, s.bucket_bytes)
+        out.append(Peak("all-gather of the updated rows", {**base, "grads": st.grads * dev, "batch": s.batch,
+                                                               "all-gather buffer": gathered * (1 + 1 / n)}))  # fmt: skip
+    return out
