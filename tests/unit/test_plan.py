@@ -104,7 +104,11 @@ def test_llama_activations_derivation() -> None:
 
 
 def test_pipeline_in_flight_and_splits() -> None:
-    assert act.split_layers(80, 3) == [26, 27, 27]
+    from paratrain.models.llama_parallel import split_layers
+
+    assert act.split_layers(80, 3) == [27, 27, 26]  # as paratrain's pipeline split: extra layers first
+    for n, p in ((80, 3), (6, 4), (10, 4), (32, 8)):
+        assert act.split_layers(n, p) == [len(keys) for keys in split_layers(n, p)]
     assert [act.in_flight("1f1b", 16, 4, i) for i in range(4)] == [4, 3, 2, 1]
     assert [act.in_flight("gpipe", 16, 4, i) for i in range(4)] == [16] * 4
 

@@ -123,10 +123,10 @@ def in_flight(schedule: str, m: int, p: int, stage: int) -> int:
 
 
 def split_layers(n_layers: int, pp: int) -> list[int]:
-    """Layers per stage: even, the remainder going to the *last* stages (the first stage holds the most
-    in-flight micro-batches under 1F1B, and the embedding)."""
+    """Layers per stage as paratrain splits them (``models.llama_parallel.split_layers``): even, the remainder
+    going to the *first* stages (10 layers on 4 stages: 3, 3, 2, 2)."""
     base, extra = divmod(n_layers, pp)
-    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+    return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
 def stage(
