@@ -43,12 +43,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.comm._shm_segment import DIRECT_BLOCK_BYTES
 from paratrain.comm.cost import busbw
 from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-ALGORITHMS = ("shm", "shm-zero-copy", "native", "ring")
+ALGORITHMS = ("shm", "shm-slots", "shm-zero-copy", "native", "ring")
 
 
 def parse_sizes(text: str, factor: int) -> list[int]:
@@ -120,7 +121,7 @@ def _inputs(collective: str, nbytes: int, n: int) -> tuple[torch.Tensor, torch.T
 
 
 def _calls(
-    collective: str, algorithms: list[str], c: Any, inp: torch.Tensor, out: torch.Tensor | None
+    collective: str, algorithms: list[str], c: Any, inp: torch.Tensor, out: torch.Tensor | None, slots: Any
 ) -> dict[str, Callable[[], Any]]:
     """One zero-argument call per algorithm that offers ``collective``."""
     from paratrain import comm
@@ -129,6 +130,7 @@ def _calls(
     if collective == "all_reduce":
         table: dict[str, Callable[[], Any]] = {
             "shm": lambda: c.all_reduce(inp),
+            "shm-slots": lambda: slots.all_reduce(inp),
             "native": lambda: dist.all_reduce(inp),
             "ring": lambda: comm.all_reduce(inp, "sum", "ring", check=False),
         }
@@ -140,12 +142,14 @@ def _calls(
     elif collective == "reduce_scatter":
         table = {
             "shm": lambda: c.reduce_scatter(out, inp),
+            "shm-slots": lambda: slots.reduce_scatter(out, inp),
             "native": lambda: dist.reduce_scatter_single(out, inp),
             "ring": lambda: comm.reduce_scatter(inp, "sum", "ring", check=False),
         }
     else:
         table = {
             "shm": lambda: c.all_gather(out, inp),
+            "shm-slots": lambda: slots.all_gather(out, inp),
             "native": lambda: dist.all_gather_single(out, inp),
             "ring": lambda: comm.all_gather(inp, "ring", check=False),
         }
@@ -162,13 +166,20 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
     n = dist.get_world_size()
     zero_copy = "shm-zero-copy" in spec["algorithms"]
     c = shm.ShmCommunicator(
-        capacity_bytes=spec["capacity"], arena_bytes=max(spec["sizes"]) if zero_copy else 0
+        capacity_bytes=spec["capacity"],
+        arena_bytes=max(spec["sizes"]) if zero_copy else 0,
+        direct_block_bytes=spec["direct_block"],
+    )
+    slots = (
+        shm.ShmCommunicator(capacity_bytes=spec["capacity"], direct=False)
+        if "shm-slots" in spec["algorithms"]
+        else None
     )
     rows = []
     for collective in spec["collectives"]:
         for size in spec["sizes"]:
             inp, out = _inputs(collective, size, n)
-            calls = _calls(collective, spec["algorithms"], c, inp, out)
+            calls = _calls(collective, spec["algorithms"], c, inp, out, slots)
             iters = spec["iters"] if size < spec["big_bytes"] else spec["big_iters"]
             times: dict[str, list[float]] = {a: [] for a in calls}
             cpu: dict[str, list[float]] = {a: [] for a in calls}
@@ -195,6 +206,8 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     "cpu_s_all_ranks": statistics.median(per_cpu),
                 })  # fmt: skip
     c.close()
+    if slots is not None:
+        slots.close()
     return rows
 
 
@@ -242,7 +255,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     colls = result["collectives"]
-    colors = dict(zip(ALGORITHMS, ("tab:blue", "tab:cyan", "tab:orange", "tab:green"), strict=True))
+    colors = dict(
+        zip(ALGORITHMS, ("tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:green"), strict=True)
+    )
     fig, axes = plt.subplots(1, len(colls), figsize=(6 * len(colls), 4.4), squeeze=False)
     for ax, collective in zip(axes[0], colls, strict=True):
         for n in result["world_sizes"]:
@@ -277,6 +292,9 @@ def main() -> None:
     parser.add_argument("--big-iters", type=int, default=5, help="timed iterations at >= 32 MB")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--capacity", type=int, default=8 << 20, help="shm slot bytes (default 8 MiB)")
+    parser.add_argument(
+        "--direct-block", type=int, default=DIRECT_BLOCK_BYTES, help="shm direct-path block bytes (512 KiB)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4KB,1MB,16MB, 3 iterations")
     parser.add_argument("--json", action="store_true", help="write the raw rows to --out and print them")
     parser.add_argument("--out", type=Path, default=RESULTS / "shm.json")
@@ -304,7 +322,7 @@ def main() -> None:
     )
     spec = {
         "sizes": sizes, "collectives": collectives, "algorithms": algorithms, "iters": args.iters,
-        "big_iters": args.big_iters, "big_bytes": 32 << 20, "warmup": args.warmup, "capacity": args.capacity,
+        "big_iters": args.big_iters, "big_bytes": 32 << 20, "warmup": args.warmup, "capacity": args.capacity, "direct_block": args.direct_block,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
     env = {"OMP_NUM_THREADS": "1"}

@@ -46,7 +46,18 @@ CONFIGS = {
     "default": {},
     "tiny-two-barrier": {"capacity_bytes": 256, "small_bytes": 0},
     "tiny-one-barrier-polling": {"capacity_bytes": 256, "futex": False},  # waiters sleep-poll, no futex
+    # the direct path (cross-memory attach) for every size, 64-byte blocks: many blocks per chunk
+    "direct-tiny-blocks": {"direct_min_bytes": 0, "direct_block_bytes": 64},
+    "slots-only": {"direct": False, "capacity_bytes": 256},
 }
+
+
+def _direct_possible() -> bool:
+    """process_vm_readv between sibling processes: refused under Yama ptrace_scope >= 2."""
+    try:
+        return _shm_sys._VM is not None and int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text()) < 2
+    except (OSError, ValueError):
+        return _shm_sys._VM is not None
 
 
 def _ops(dtype: torch.dtype) -> list[str]:
@@ -169,6 +180,9 @@ def check_world(members: list[int] | None = None) -> dict[str, Any]:
     count = 0
     for k, (name, kwargs) in enumerate(CONFIGS.items()):
         with shm.ShmCommunicator(group, **kwargs) as c:  # type: ignore[arg-type]
+            expect = {"direct-tiny-blocks": _direct_possible(), "slots-only": False}.get(name, c.direct)
+            if c.size > 1 and c.direct != expect:
+                failures.append(f"[{name}] direct path {'on' if c.direct else 'off'} unexpectedly")
             bad, cnt = _check_config(c, group, ranks, salt=100 * k)
             failures += [f"[{name}] {b}" for b in bad]
             count += cnt

@@ -58,6 +58,21 @@ def check_op(function: str, op: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{function}: op={op!r} is not defined for complex tensors ({dtype}).")
 
 
+_BINARY: dict[str, Any] = {
+    "sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum,
+}  # fmt: skip
+_HALF = (torch.float16, torch.bfloat16)  # sums and products accumulate in float32 and round once
+
+
+def pairwise(op: str, dtype: torch.dtype) -> Any:
+    """The elementwise torch function that reduces two tensors for ``op`` (``torch.add``...), or ``None``
+    where the reduction must see every row at once (sums and products of 16-bit floats, which accumulate
+    in float32; bool; bitwise ops)."""
+    if dtype == torch.bool or (dtype in _HALF and op in ("sum", "mean", "prod")):
+        return None
+    return _BINARY.get(op)
+
+
 def _reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
     """``out = rows[0] <op> rows[1] <op> ...`` with one torch op where one exists; ``out`` must not alias
     ``rows``. Sums of bf16/fp16 accumulate in float32 (torch's CPU reduction does) and round once."""
@@ -65,6 +80,18 @@ def _reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
         rows, out = rows.view(torch.uint8), out.view(torch.uint8)
         op = {"sum": "max", "bor": "max", "prod": "min", "band": "min"}.get(op, op)
     integral = not (rows.dtype.is_floating_point or rows.dtype.is_complex)
+    binary = _BINARY.get(op)
+    if rows.shape[0] == 1:
+        out.copy_(rows[0])
+        return
+    if binary is not None and pairwise(op, rows.dtype) is not None:
+        # pairwise: torch's reduction over dim 0 of a strided (n, m) view runs at a fraction of the speed
+        # of an elementwise op (measured 2.7x slower for n = 2); exact for integers (wrapping arithmetic is
+        # associative), max and min; float sums may differ from torch.sum's order in the last bit
+        binary(rows[0], rows[1], out=out)
+        for j in range(2, rows.shape[0]):
+            binary(out, rows[j], out=out)
+        return
     if op in ("sum", "mean"):
         torch.sum(rows, 0, dtype=rows.dtype if integral else None, out=out)
     elif op == "prod":
@@ -114,4 +141,6 @@ def _describe(row: list[int]) -> str:
         parts.append(f"root (group rank) {root}")
     if fn == _FUNCS.index("all_reduce_inplace_slot"):
         parts.append(f"arena offset {aux}")
+    if root == -2 or (fn == _FUNCS.index("broadcast") and aux == -2):
+        parts.append("direct path")
     return f"{_FUNCS[fn]}({', '.join(parts)}) at step {seq}"

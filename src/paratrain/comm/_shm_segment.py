@@ -32,6 +32,7 @@ from paratrain.comm._shm_sys import (
     _FENCE,
     _FUTEX,
     _PAGE,
+    _VM,
     CHECK_S,
     NAP_MAX_S,
     NAP_MIN_S,
@@ -49,6 +50,7 @@ from paratrain.comm._shm_sys import (
     _start_time,
     _sweep_stale,
     _unlink,
+    _VmReader,
 )
 
 DEFAULT_CAPACITY_BYTES = 8 << 20
@@ -57,10 +59,17 @@ step's slots of 4 ranks (32 MiB) inside a 48 MiB L3 while a step's two barriers 
 copies; ``benchmarks/bench_shm.py --capacity`` measures other choices."""
 SMALL_BYTES = 64 << 10
 """all_reduce pieces up to this size are reduced by every rank (one barrier instead of two)."""
+DIRECT_MIN_BYTES = 256 << 10
+"""Tensors above this size take the direct path (cross-memory attach) when it is available; smaller ones
+go through the slots, where a call needs fewer barriers."""
+DIRECT_BLOCK_BYTES = 512 << 10
+"""The direct reduction reads every rank's block of this size into a private (n, block) buffer that stays
+in cache, then reduces it."""
 
 _LINE_WORDS = 32  # 256 bytes of header per rank
 _ARRIVE, _REDUCED, _DONE, _STATUS, _PID, _START = 0, 1, 2, 3, 4, 5
 _SIG, _SIG_WORDS = 8, 8  # two signatures (one per buffer parity) at words 8..15 and 16..23
+_ADDR = 24  # direct path: the address of this rank's tensor for the current call
 _OK, _CLOSED, _ABORTED = 0, 1, 2
 _MAGIC, _VERSION = 0x7061726153484D31, 1  # "paraSHM1"
 _HEAD_WORDS = 8  # magic, version, size, capacity, arena, nonce, total bytes, reserved
@@ -83,6 +92,9 @@ class _Segment:
         arena_bytes: int = 0,
         small_bytes: int = SMALL_BYTES,
         futex: bool = True,
+        direct: bool = True,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
+        direct_block_bytes: int = DIRECT_BLOCK_BYTES,
         store: Any = None,
         shm_dir: str = "/dev/shm",
     ) -> None:
@@ -114,6 +126,12 @@ class _Segment:
         self._use_futex = futex
         self._futex: _Futex | None = None
         self._lines_addr = 0
+        self.direct = False
+        self.direct_min_bytes = direct_min_bytes
+        self.direct_block_bytes = max(_ALIGN, direct_block_bytes)
+        self._vm: _VmReader | None = None
+        self._pids: list[int] = []
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         if self.size == 1:
             return
         if _FENCE is None:
@@ -132,11 +150,11 @@ class _Segment:
         self._res_off = self._slot_off + 2 * n * cap
         self._arena_off = _align(self._res_off + 2 * cap, _PAGE)
         self._total = _align(self._arena_off + n * self.arena_bytes, _PAGE)
-        self._attach(store, shm_dir)
+        self._attach(store, shm_dir, direct)
 
     # -- creation ------------------------------------------------------------------------------------
 
-    def _attach(self, store: Any, shm_dir: str) -> None:
+    def _attach(self, store: Any, shm_dir: str, direct: bool) -> None:
         """The creation handshake through the store (keys under ``paratrain-shm/<instance>/``):
 
         1. rank 0 creates and sizes the segment, writes the header, publishes ``name``;
@@ -211,6 +229,34 @@ class _Segment:
         line = self._lines[r]
         line[_PID], line[_START], line[_STATUS] = os.getpid(), _start_time(os.getpid()) or 0, _OK
         self._futex = _FUTEX if self._use_futex else None
+        self._probe_direct(store, direct)
+
+    def _probe_direct(self, store: Any, wanted: bool) -> None:
+        """Decide, collectively, whether the direct path (cross-memory attach) is used: every rank must
+        want it (``direct=True`` and ``PARATRAIN_SHM_DIRECT`` not ``0``), share the pid namespace, and
+        succeed in reading a private probe word of the next rank with ``process_vm_readv``."""
+        n, r = self.size, self.rank
+        ok = wanted and os.environ.get("PARATRAIN_SHM_DIRECT", "1") != "0" and _VM is not None
+        ok = ok and self._same_pidns
+        probe = np.array([int(self._head[5]) ^ (r + 1)], dtype=np.int64)  # the nonce, per rank
+        if ok and _VM is not None:
+            _VM.allow_peers()
+        store.set(f"direct/{r}", json.dumps({"pid": os.getpid(), "addr": probe.ctypes.data, "ok": ok}))
+        info = self._gather(store, "direct", "the direct-path probe")
+        status = "off"
+        if all(i["ok"] for i in info) and _VM is not None:
+            j = (r + 1) % n
+            got = np.zeros(1, dtype=np.int64)
+            try:
+                _VM.read(info[j]["pid"], got.ctypes.data, info[j]["addr"], 8)
+                status = "ok" if int(got[0]) == int(self._head[5]) ^ (j + 1) else "wrong probe value"
+            except OSError as e:
+                status = str(e)
+        store.set(f"direct-ok/{r}", status)
+        self.direct = all(s == "ok" for s in self._gather(store, "direct-ok", "the direct-path probe", False))
+        if self.direct:
+            self._vm = _VM
+            self._pids = [int(i["pid"]) for i in info]
 
     def _map(self, path: str, create: bool) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -313,6 +359,25 @@ class _Segment:
         """Elements [start, start+length) of every rank's slot of buffer b: an (n, length) view."""
         es = _esize(dtype)
         return self._rows(dtype, self._slot(b, 0) + start * es, self.capacity_bytes, self.size, length)
+
+    def _scratch_rows(self, dtype: torch.dtype, length: int) -> torch.Tensor:
+        """A private (n, length) buffer of this rank (kept for reuse), for the direct path."""
+        t = self._scratch.get(dtype)
+        if t is None or t.shape[1] < length:
+            t = self._scratch[dtype] = torch.empty((self.size, length), dtype=dtype)
+        return t[:, :length]
+
+    def _peer_read(self, j: int, dst: torch.Tensor, remote: int, what: tuple[str, int, int]) -> None:
+        """Copy ``dst.numel()`` elements from address ``remote`` of rank j's process into ``dst``
+        (contiguous) with ``process_vm_readv``; a failure names the rank."""
+        assert self._vm is not None
+        try:
+            self._vm.read(self._pids[j], dst.data_ptr(), remote, dst.numel() * dst.element_size())
+        except OSError as e:
+            raise RuntimeError(
+                f"{self._where(what)}: reading rank {self.peers.global_rank(j)}'s tensor failed ({e}); "
+                "the rank probably died"
+            ) from None
 
     def _flat(self, dtype: torch.dtype, offset: int, length: int) -> torch.Tensor:
         es = _esize(dtype)

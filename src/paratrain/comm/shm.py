@@ -66,6 +66,21 @@ argument lets a fast rank copy in piece k+1 while slow ranks still read piece k 
 ranks). The zero-copy arena is the exception (the caller writes it at will after the call), so
 :meth:`all_reduce_inplace_slot` ends with a third barrier on ``DONE``.
 
+**Direct path** (cross-memory attach). Where the kernel allows it, tensors above ``direct_min_bytes``
+(256 KiB) skip the slots: each rank publishes its tensor's address in its header line with ARRIVE, and
+the others copy straight out of its address space with ``process_vm_readv(2)`` (one kernel copy, as MPI
+implementations do on one host). all_reduce: rank r reads block by block every peer's chunk r into a
+private cache-sized buffer and combines it with its own chunk in place (``REDUCED = k``), then reads
+every other reduced chunk from its owner, then a ``DONE`` barrier (after it no peer reads this rank's
+memory). Per rank that is (n−1)/n·S read in, S/n reduced, (n−1)/n·S read out, against the slots' copy in
+(S), reduction and copy out (S). reduce_scatter and all_gather read the peers' inputs the same way;
+broadcast reads the root's tensor. It is decided once, collectively, when the communicator is created:
+every rank must want it (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``), all must share one pid
+namespace, and each must read a probe word of the next rank successfully. Same-user processes may read
+each other unless Yama's ``ptrace_scope`` forbids it; at scope 1 every rank allows its peers with
+``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the slots are used). A peer that dies mid-call
+makes the read fail with ``ESRCH``, which names it.
+
 **Waiting.** A rank polls the flags it waits for: a few µs of pure spinning, then ``sched_yield`` for
 up to ``YIELD_S``, then it blocks in ``futex(FUTEX_WAIT)`` on the first late rank's flag word, and every
 publisher calls ``FUTEX_WAKE`` on its flag after raising it (the kernel rechecks the value under its own
@@ -116,13 +131,16 @@ from paratrain.comm._shm_ops import (
     check_op,
     native_op,
     normalize_op,
+    pairwise,
 )
 from paratrain.comm._shm_segment import (
+    _ADDR,
     _ALIGN,
     _ARRIVE,
     _DONE,
     _REDUCED,
     DEFAULT_CAPACITY_BYTES,
+    DIRECT_MIN_BYTES,
     SMALL_BYTES,
     _Segment,
 )
@@ -131,6 +149,7 @@ from paratrain.comm.shm_hier import hierarchical_all_reduce, make_hierarchical_g
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
+    "DIRECT_MIN_BYTES",
     "OPS",
     "SEGMENT_PREFIX",
     "SMALL_BYTES",
@@ -160,6 +179,9 @@ class ShmCommunicator(_Segment):
             size 1 that does nothing).
         capacity_bytes: bytes of one slot (rounded up to 64 B); tensors larger than this are processed in
             pieces. The segment holds 2·(n+1) slots, plus the arenas.
+        direct: use the direct path (``process_vm_readv``) where every rank can (decided collectively).
+        direct_min_bytes: tensors above this size take the direct path; smaller ones the slots.
+        direct_block_bytes: block of the direct reduction (the private buffer holds n−1 of them).
         timeout_s: how long a rank waits for a peer before raising (default: the group's timeout).
         arena_bytes: bytes of this rank's arena for :meth:`allocate` (0: none).
         small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
@@ -186,7 +208,10 @@ class ShmCommunicator(_Segment):
             return tensor
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         with self._call(function):
-            self._reduce_flat(buf.view(-1), op, root)
+            if root is None and self._takes_direct(buf):
+                self._all_reduce_direct(buf.view(-1), op)
+            else:
+                self._reduce_flat(buf.view(-1), op, root)
         if buf is not tensor and (root is None or root == self.rank):
             tensor.copy_(buf)
         return tensor
@@ -262,7 +287,10 @@ class ShmCommunicator(_Segment):
         src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
         dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         with self._call("reduce_scatter"):
-            self._reduce_scatter(src, list(bounds), op, dst.view(-1))
+            if self._takes_direct(src):
+                self._reduce_scatter_direct(src, list(bounds), op, dst.view(-1))
+            else:
+                self._reduce_scatter(src, list(bounds), op, dst.view(-1))
         if dst is not out:
             out.copy_(dst)
         return out
@@ -327,7 +355,10 @@ class ShmCommunicator(_Segment):
         else:
             src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
             with self._call("all_gather"):
-                self._all_gather(src, list(bounds), dst.view(-1))
+                if self._takes_direct(dst):
+                    self._all_gather_direct(src, list(bounds), dst.view(-1))
+                else:
+                    self._all_gather(src, list(bounds), dst.view(-1))
         if dst is not out:
             out.copy_(dst)
         return out
@@ -372,6 +403,9 @@ class ShmCommunicator(_Segment):
         pieces = [(lo, min(flat.numel(), lo + per)) for lo in range(0, flat.numel(), per)]
         sig = _signature("broadcast", "", dtype, flat.numel(), root, 0, len(pieces))
         with self._call("broadcast"):
+            if self._takes_direct(flat):
+                self._broadcast_direct(flat, root)
+                pieces = []
             for p, (lo, hi) in enumerate(pieces):
                 what = ("broadcast", p, len(pieces))
                 k, b = self._next()
@@ -387,6 +421,113 @@ class ShmCommunicator(_Segment):
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor
+
+    # -- the direct path (cross-memory attach) ---------------------------------------------------------
+
+    def _takes_direct(self, t: torch.Tensor) -> bool:
+        """The same on every rank for the same call (sizes agree; a disagreement on the device is caught
+        by the call signature, which marks the direct path with root -2)."""
+        return self.direct and t.device.type == "cpu" and t.numel() * _esize(t.dtype) > self.direct_min_bytes
+
+    def _begin_direct(self, function: str, sig: list[int], addr: int) -> tuple[int, tuple[str, int, int]]:
+        """Publish this rank's tensor address with ARRIVE, wait for every rank, compare the signatures."""
+        what = (function, 0, 1)
+        k, _ = self._next()
+        self._lines[self.rank, _ADDR] = addr
+        self._publish(_ARRIVE, k, _with_seq(sig, k))
+        self._wait(_ARRIVE, k, what)
+        self._check_sig(k, _with_seq(sig, k))
+        return k, what
+
+    def _end_direct(self, k: int, what: tuple[str, int, int]) -> None:
+        """DONE barrier: after it no peer reads this rank's memory, so the caller may change it."""
+        self._publish(_DONE, k)
+        self._wait(_DONE, k, what)
+
+    def _reduce_chunk_direct(
+        self, addrs: list[int], lo: int, hi: int, own: torch.Tensor, out: torch.Tensor, op: str,
+        what: tuple[str, int, int],
+    ) -> None:  # fmt: skip
+        """``out`` = the reduction of elements [lo, hi) of every rank's flat tensor (rank j's at
+        ``addrs[j]``, this rank's is ``own``; ``out`` may be ``own[lo:hi]``), block by block: the peers'
+        blocks are read into a private buffer that stays in cache, then combined with this rank's."""
+        dtype, es, n, r = own.dtype, _esize(own.dtype), self.size, self.rank
+        binary = pairwise(op, dtype)
+        block = max(1, self.direct_block_bytes // es)
+        rows = self._scratch_rows(dtype, min(block, max(1, hi - lo)))
+        peers = [j for j in range(n) if j != r]
+        for s in range(lo, hi, block):
+            e = min(hi, s + block)
+            m = e - s
+            for i, j in enumerate(peers):
+                self._peer_read(j, rows[i, :m], addrs[j] + s * es, what)
+            dst = out[s - lo : e - lo]
+            if binary is not None:  # in place over this rank's block: no copy of it
+                binary(own[s:e], rows[0, :m], out=dst)
+                for i in range(1, n - 1):
+                    binary(dst, rows[i, :m], out=dst)
+            else:
+                rows[n - 1, :m].copy_(own[s:e])
+                _reduce_rows(rows[:, :m], dst, op)
+            if op == "mean":
+                dst.div_(n)
+
+    def _all_reduce_direct(self, flat: torch.Tensor, op: str) -> None:
+        """Every rank reduces its 1/n chunk by reading the others' tensors where they lie (no copy into
+        the segment), writes it into its own tensor, then reads the other reduced chunks from their
+        owners: each rank moves about (n-1)/n·S in and (n-1)/n·S out, plus one reduction of S/n."""
+        n, r, dtype = self.size, self.rank, flat.dtype
+        es, numel = _esize(dtype), flat.numel()
+        grain = max(1, _ALIGN // es)
+        q = -(-numel // n // grain) * grain
+        bounds = [(min(numel, j * q), min(numel, (j + 1) * q)) for j in range(n)]
+        sig = _signature("all_reduce", op, dtype, numel, -2, 0, 1)
+        k, what = self._begin_direct("all_reduce", sig, flat.data_ptr())
+        addrs = [int(a) for a in self._lines[:, _ADDR]]
+        a, c = bounds[r]
+        if c > a:  # my chunk is only ever read by the others after REDUCED: reduce it in place
+            self._reduce_chunk_direct(addrs, a, c, flat, flat[a:c], op, what)
+        self._publish(_REDUCED, k)
+        self._wait(_REDUCED, k, what)
+        for j, (a, c) in enumerate(bounds):
+            if j != r and c > a:
+                self._peer_read(j, flat[a:c], addrs[j] + a * es, what)
+        self._end_direct(k, what)
+
+    def _reduce_scatter_direct(
+        self, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str, out: torch.Tensor
+    ) -> None:
+        sig = _signature("reduce_scatter", op, flat.dtype, flat.numel(), -2, _bounds_hash(
+            [b - a for a, b in bounds]), 1)  # fmt: skip
+        k, what = self._begin_direct("reduce_scatter", sig, flat.data_ptr())
+        addrs = [int(a) for a in self._lines[:, _ADDR]]
+        lo, hi = bounds[self.rank]
+        if hi > lo:
+            self._reduce_chunk_direct(addrs, lo, hi, flat, out, op, what)
+        self._end_direct(k, what)
+
+    def _all_gather_direct(
+        self, mine: torch.Tensor, bounds: list[tuple[int, int]], out: torch.Tensor
+    ) -> None:
+        sig = _signature("all_gather", "", mine.dtype, out.numel(), -2, _bounds_hash(
+            [b - a for a, b in bounds]), 1)  # fmt: skip
+        k, what = self._begin_direct("all_gather", sig, mine.data_ptr())
+        addrs = [int(a) for a in self._lines[:, _ADDR]]
+        for j, (a, c) in enumerate(bounds):
+            if c <= a:
+                continue
+            if j == self.rank:
+                out[a:c].copy_(mine)
+            else:
+                self._peer_read(j, out[a:c], addrs[j], what)
+        self._end_direct(k, what)
+
+    def _broadcast_direct(self, flat: torch.Tensor, root: int) -> None:
+        sig = _signature("broadcast", "", flat.dtype, flat.numel(), root, -2, 1)
+        k, what = self._begin_direct("broadcast", sig, flat.data_ptr())
+        if self.rank != root:
+            self._peer_read(root, flat, int(self._lines[root, _ADDR]), what)
+        self._end_direct(k, what)
 
     @torch.no_grad()
     def all_reduce_inplace_slot(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
