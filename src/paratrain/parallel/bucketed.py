@@ -198,7 +198,9 @@ class GradReducer:
             self.shm = _shm_zero_copy(self.buckets, self.group)
             if self.shm is not None:
                 shm = self.shm
-                self._p2p = lambda buf, _group, _alg: shm.all_reduce_inplace_slot(buf, "sum")
+                # "mean": the reduction divides this rank's chunk while it is in cache, instead of a
+                # separate pass over the whole bucket before it (see _launch)
+                self._p2p = lambda buf, _group, _alg: shm.all_reduce_inplace_slot(buf, "mean")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._reset()
 
@@ -230,10 +232,13 @@ class GradReducer:
                 self._next += 1
 
     def _launch(self, b: int) -> None:
-        """Copy the bucket's gradients (pre-divided by the world size, as DDP does) and start its all-reduce."""
+        """Copy the bucket's gradients (pre-divided by the world size as DDP does, except on the zero-copy
+        shm path, whose reduction takes the mean) and start its all-reduce."""
         bucket = self.buckets[b]
         buf = bucket.buffer
-        scale = 1.0 / self.world_size
+        # pre-divided by the world size, as DDP does; the zero-copy shm reduction takes the mean itself
+        # (the used-flags then average too, and stay 0 only where no rank had a gradient)
+        scale = 1.0 / self.world_size if self.shm is None else 1.0
         buf[bucket.numel :].fill_(1.0)  # used-flags; the rare missing gradient clears its own below
         for slot, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
             view = buf[off : off + p.numel()]
@@ -241,7 +246,10 @@ class GradReducer:
                 view.zero_()
                 buf[bucket.numel + slot] = 0.0
             elif p.grad.data_ptr() == view.data_ptr():  # zero-copy: autograd accumulated into the bucket
-                view.mul_(scale)
+                if scale != 1.0:
+                    view.mul_(scale)
+            elif scale == 1.0:
+                view.copy_(p.grad.reshape(-1))
             else:
                 torch.mul(p.grad.reshape(-1), scale, out=view)
         if self._executor is None:
