@@ -125,7 +125,9 @@ def _split_fn(model: nn.Module) -> Any:
 class _Pipeline(ModelParallel):
     uses_pp = True
     pp_default = "two"
-    measures_peak_memory = False  # MemTracker cannot follow several stage modules per rank (1F1B order)
+    peak_by_module = (
+        False  # the schedule runs each stage module once per micro-batch, out of MemTracker's order
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -48,8 +48,11 @@ class Strategy:
     uses_shard_size: ClassVar[bool] = False
     """Accepts ``strategy.shard_size`` (``--shard-size``)."""
     measures_peak_memory: ClassVar[bool] = True
-    """Whether ``MemTracker`` can follow this strategy's step (a pipeline schedule running several stage
-    modules per rank cannot be followed: its module hooks fire out of the tracker's order)."""
+    """Whether one step runs under ``MemTracker`` for ``peak_bytes_per_rank``."""
+    peak_by_module: ClassVar[bool] = True
+    """Whether the tracker may follow modules too. A pipeline schedule runs each stage module once per
+    micro-batch, forward and backward interleaved, which MemTracker's per-module bookkeeping refuses; there
+    it tracks storages only (the global peak is the same bookkeeping either way)."""
     required_axes: ClassVar[tuple[str, ...]] = ()
     """Mesh axes this strategy needs even at degree 1 (FSDP2 always shards over ``dp_shard``)."""
 

@@ -25,11 +25,16 @@ T = TypeVar("T")
 
 
 def measure_peak(
-    fn: Callable[[], T], model: nn.Module, optimizer: Any, log: logging.Logger | None = None
+    fn: Callable[[], T],
+    model: nn.Module,
+    optimizer: Any,
+    log: logging.Logger | None = None,
+    by_module: bool = True,
 ) -> tuple[T, int | None]:
     """Run ``fn`` (one training step) under ``MemTracker``; return its result and the peak live bytes on the
-    model's device (``None`` when the tracker cannot follow this model, with a log line saying why)."""
-    tracker = _step_tracker()
+    model's device (``None`` when the tracker cannot follow this model, with a log line saying why).
+    ``by_module=False``: storages only, no module hooks (a pipeline schedule's order of stage calls)."""
+    tracker = _step_tracker(by_module)
     externals: list[Any] = [model]
     for opt in (optimizer, getattr(optimizer, "optim", None)):
         if isinstance(opt, torch.optim.Optimizer):
@@ -54,7 +59,7 @@ def measure_peak(
     return result, (max(totals) if totals else None)
 
 
-def _step_tracker() -> Any:
+def _step_tracker(by_module: bool = True) -> Any:
     """A ``MemTracker`` for one optimizer step of K micro-batches (``--grad-accum K``).
 
     MemTracker keeps per-module statistics and refuses a root module whose forward runs a second time
@@ -72,4 +77,20 @@ def _step_tracker() -> Any:
                 self.reset_mod_stats()  # the next micro-batch's forward of the root module
             super()._pre_fw_hook(module, inputs)
 
-    return StepTracker()
+    class StorageTracker(MemTracker):
+        """Every storage the step creates or the model and optimizer hold, without per-module statistics:
+        the module hooks do nothing, the dispatch-level accounting (and so the peak) is MemTracker's own."""
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            pass
+
+        def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+            pass
+
+        def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+            pass
+
+    return StepTracker() if by_module else StorageTracker()

@@ -335,7 +335,9 @@ class Trainer:
                     st.step == measure_at and self.strategy.measures_peak_memory
                 ):  # one step under the memory tracker: the peak of live bytes
                     m0 = time.perf_counter()
-                    loss, peak = measure_peak(self.train_step, self.model, self.optimizer, self.log)
+                    loss, peak = measure_peak(
+                        self.train_step, self.model, self.optimizer, self.log, self.strategy.peak_by_module
+                    )
                     tracked_s = time.perf_counter() - m0  # slowed by the tracker: kept out of throughput
                     st.pending.append(loss)
                 else:
@@ -378,7 +380,9 @@ class Trainer:
             bar.close()
         steps_run = st.step - start_step
         timed_steps = steps_run - (1 if tracked_s else 0)  # the memory-tracked step is not timed
-        samples_per_s = timed_steps * t.batch_size / train_time if timed_steps > 0 and train_time > 0 else None
+        samples_per_s = (
+            timed_steps * t.batch_size / train_time if timed_steps > 0 and train_time > 0 else None
+        )
         self.flush_losses()
         acc, eloss = None, None
         if not self.lifecycle.stopped_by:  # a signal-stopped run skips evaluation to exit quickly
