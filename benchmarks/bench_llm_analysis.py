@@ -15,6 +15,13 @@ shapes of paratrain's presets where llm-analysis can express them. It cannot exp
 (it asserts ffn_embed_dim % hidden_dim == 0, so 11008 is refused): like its own bundled
 NousResearch_Llama-2-7b-hf config, it gets a 2-matrix MLP with ffn 16384 (134.2M parameters per layer
 against SwiGLU's 135.3M). GPT-3: h 12288, 96 layers, 96 heads, ffn 4h.
+
+paratrain reports two activation figures: ``activations`` (what its own Llama keeps, op by op:
+``plan/implementation.py``; the peak uses it) and ``activations_korthikanti`` (Korthikanti et al.'s formula,
+the figure llm-analysis also follows; the same number for GPT-3, which paratrain does not implement). Both are
+recorded, and so is the like-with-like sum llm-analysis reports as its peak: model states + Korthikanti's
+activations, everything at once (``sum_korthikanti``). paratrain's ``peak`` is instead the largest moment of the
+step (``peak_moment``: ``plan/peak.py``).
 """
 
 from __future__ import annotations
@@ -218,10 +225,19 @@ def main() -> int:
                     "paratrain": b["activations"],
                     "llm_analysis": la["activation_memory_per_gpu"],
                 },
+                "activations_korthikanti": {
+                    "paratrain": pt["activations_korthikanti"],
+                    "llm_analysis": la["activation_memory_per_gpu"],
+                },
+                "sum_korthikanti": {  # everything at once, as llm-analysis's peak
+                    "paratrain": pt["model_state_bytes_per_rank"] + pt["activations_korthikanti"],
+                    "llm_analysis": la["(weight+op_state+grad+act)_memory_per_gpu"],
+                },
                 "peak": {
                     "paratrain": b["peak"],
                     "llm_analysis": la["(weight+op_state+grad+act)_memory_per_gpu"],
                 },
+                "peak_moment": pt["peak_moment"]["phase"],
                 "step_time_s": {"paratrain": pt["time_s"]["step"], "llm_analysis": la["latency_per_iter"]},
                 "compute_time_s": {
                     "paratrain": pt["time_s"]["compute"],
@@ -235,7 +251,7 @@ def main() -> int:
                 },
             }
             rows.append(row)
-    print(f"{'case':30s} {'figure':13s} {'paratrain':>14s} {'llm-analysis':>14s} {'pt/la':>7s}")
+    print(f"{'case':30s} {'figure':23s} {'paratrain':>14s} {'llm-analysis':>14s} {'pt/la':>7s}")
     for r in rows:
         for key in (
             "params",
@@ -244,6 +260,8 @@ def main() -> int:
             "optimizer",
             "model_states",
             "activations",
+            "activations_korthikanti",
+            "sum_korthikanti",
             "peak",
             "step_time_s",
             "compute_time_s",
@@ -254,7 +272,8 @@ def main() -> int:
             ratio = p / q if q else (1.0 if p == q else float("inf"))
             fmt = (lambda x: f"{x:14.3f}") if key.endswith("_s") else (lambda x: f"{x / 1e9:12.2f} G")
             flag = "" if abs(ratio - 1) <= 0.05 else "  >5%"
-            print(f"{r['case']['name']:30s} {key:13s} {fmt(p)} {fmt(q)} {ratio:7.3f}{flag}")
+            print(f"{r['case']['name']:30s} {key:23s} {fmt(p)} {fmt(q)} {ratio:7.3f}{flag}")
+        print(f"{r['case']['name']:30s} paratrain's peak moment: {r['peak_moment']}")
         print()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
