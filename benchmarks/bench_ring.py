@@ -7,7 +7,9 @@ alone; an iteration's time is the slowest rank's; a run's figure is the median o
 iterations), in ``--runs`` separate process groups:
 
 - ``native``: Gloo's own ``all_reduce``;
-- ``ring``: :func:`paratrain.comm.ring.all_reduce` as shipped (4 MiB pieces: P = 1 at 16 MB, 4 at 64 MB);
+- ``ring``: :func:`paratrain.comm.ring.all_reduce` as shipped (4 MiB pieces, at least 2 per chunk from
+  1 MiB: P = 2 at 16 MB, 4 at 64 MB);
+- ``ring-1piece``: the ring before that rule (P = 1 at 16 MB: not pipelined);
 - ``ring-2MiB`` / ``ring-1MiB``: the same with 2 / 1 MiB pieces (P = 2 / 4 at 16 MB, pipelined, a window
   of 4 / 8 receives).
 
@@ -52,6 +54,7 @@ def _worker(sizes: list[int], iters: int, warmup: int) -> dict[str, Any]:
         calls = {
             "native": lambda x=x: dist.all_reduce(x),
             "ring": lambda x=x: ring.all_reduce(x, "sum", p),
+            "ring-1piece": lambda x=x: ring.all_reduce(x, "sum", p, min_pipelined_bytes=1 << 40),
             "ring-2MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=2 * MB),
             "ring-1MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=1 * MB),
         }

@@ -183,6 +183,13 @@ def check_ring_pieces() -> list[str]:
         ring.all_gather(out, ag_bounds, p, piece_bytes=piece)
         if not torch.equal(out, torch.cat(parts)):
             bad.append(f"rank {p.rank}: ring all_gather numel={numel} piece={piece}")
+    # a chunk that fits in one piece but is above min_pipelined_bytes is still cut in two
+    for numel in (9, 130):
+        x = _data((numel,), torch.float64, "sum", seed=numel + p.rank)
+        y = x.clone()
+        ring.all_reduce(y, "sum", p, min_pipelined_bytes=16)
+        if not torch.equal(y, _native_reduce_ref(x, "sum", None, p.size)):
+            bad.append(f"rank {p.rank}: ring all_reduce numel={numel}, depth-2 pipelining")
     return bad
 
 

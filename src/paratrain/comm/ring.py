@@ -31,7 +31,7 @@ NCCL each send is grouped with its receive (``batch_isend_irecv``).
 - all_reduce:                           2(n−1)·P·α + 2(n−1)/n · Sβ + (n−1)/n · Sγ
 
 (with pipelining the γ term largely hides behind β; the α term grows with P, which is why pieces are
-large: P = 1 whenever a chunk is smaller than ``piece_bytes``.)
+large: P = 1 whenever a chunk is smaller than ``MIN_PIPELINED_BYTES``, and P ≥ 2 above it.)
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ from paratrain.comm._ops import combine_, finish_mean_
 
 PIECE_BYTES = 4 << 20
 """Default pipelining granularity. Smaller pieces overlap more but pay α per piece."""
+MIN_PIPELINED_BYTES = 1 << 20
+"""A chunk of at least this size is cut into two pieces or more even when it fits in one ``piece_bytes``
+piece: with one piece nothing overlaps (each step waits for a whole chunk before it reduces and sends it
+on). At 16 MB on 4 ranks (4 MiB chunks) two pieces measured 0.89-1.12x Gloo against one piece's
+0.84-1.09x, interleaved in the same runs (``benchmarks/bench_ring.py``)."""
 SCRATCH_BYTES = 8 << 20
 """Receive scratch of the reduce-scatter on Gloo (a window of pieces, reused round-robin)."""
 
@@ -63,6 +68,7 @@ def ring(
     all_gather: bool,
     piece_bytes: int = PIECE_BYTES,
     scratch_bytes: int = SCRATCH_BYTES,
+    min_pipelined_bytes: int = MIN_PIPELINED_BYTES,
 ) -> None:
     """Run the reduce-scatter steps and/or the all-gather steps of the ring on the flat ``flat`` in place.
 
@@ -76,7 +82,10 @@ def ring(
             finish_mean_(flat, op, n)
         return
     right, left = (r + 1) % n, (r - 1) % n
-    npieces = max(1, math.ceil(max_chunk * flat.element_size() / piece_bytes))
+    chunk_bytes = max_chunk * flat.element_size()
+    npieces = max(1, math.ceil(chunk_bytes / piece_bytes))
+    if npieces == 1 and chunk_bytes >= min_pipelined_bytes:
+        npieces = 2  # pipelining depth 2 at least
     pieces = [_split(a, b, npieces) for a, b in bounds]
     first = 0 if reduce_scatter else n - 1  # steps [first, last)
     last = 2 * (n - 1) if all_gather else n - 1
@@ -165,10 +174,12 @@ def all_reduce(
     peers: Peers,
     piece_bytes: int = PIECE_BYTES,
     scratch_bytes: int = SCRATCH_BYTES,
+    min_pipelined_bytes: int = MIN_PIPELINED_BYTES,
 ) -> None:
     """Ring all-reduce of the contiguous ``buf`` in place: 2(n−1) pipelined steps."""
     flat = buf.view(-1)
-    ring(flat, chunk_bounds(flat.numel(), peers.size), op, peers, True, True, piece_bytes, scratch_bytes)
+    bounds = chunk_bounds(flat.numel(), peers.size)
+    ring(flat, bounds, op, peers, True, True, piece_bytes, scratch_bytes, min_pipelined_bytes)
 
 
 def reduce_scatter(
