@@ -322,10 +322,12 @@ def main() -> None:
     )
     spec = {
         "sizes": sizes, "collectives": collectives, "algorithms": algorithms, "iters": args.iters,
-        "big_iters": args.big_iters, "big_bytes": 32 << 20, "warmup": args.warmup, "capacity": args.capacity, "direct_block": args.direct_block,
+        "big_iters": args.big_iters, "big_bytes": 32 << 20, "warmup": args.warmup, "capacity": args.capacity,
+        "direct_block": args.direct_block,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
     env = {"OMP_NUM_THREADS": "1"}
+    load_before = os.getloadavg()
     for n in world_sizes:
         print(f"running {n} ranks ...", file=sys.stderr, flush=True)
         rows += run_distributed(_worker, n, args=(spec,), timeout_s=7200, env=env)[0]
@@ -334,7 +336,7 @@ def main() -> None:
                     "torch": torch.__version__, "python": platform.python_version()},
         "membw": membw, "world_sizes": world_sizes, "collectives": collectives, "spec": spec,
         "shm_all_reduce_limit_GBps": {str(n): shm_limit(membw, n, os.cpu_count() or 1) for n in world_sizes},
-        "rows": rows,
+        "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "rows": rows,
     }  # fmt: skip
     if args.plot:
         plot(result, args.plot)
