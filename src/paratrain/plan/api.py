@@ -118,6 +118,28 @@ def stages(spec: ModelSpec, pp: int) -> list[tuple[int, list[ParamGroup], bool, 
     return [(i, list(spec.layers[starts[i] : starts[i] + counts[i]]), i == 0, i == pp - 1) for i in pick]
 
 
+def _accumulation(
+    psi: float,
+    grad_bytes: float,
+    activations: float,
+    batch: _Batch,
+    layout: Layout,
+    schedule: str,
+    stage: int,
+) -> tuple[float, float]:
+    """``StepShape``'s accumulated-gradient moment: the local gradients (unsharded: accumulation runs
+    without synchronisation) and the activations saved when a later backward starts (0, 0: none)."""
+    pipelined = layout.pp > 1 and batch.micro > 1
+    if batch.accum == 1 and not pipelined:
+        return 0.0, 0.0
+    later = activations
+    if pipelined:
+        k = act.in_flight(schedule, batch.micro, layout.pp, stage)
+        if k == batch.micro:  # every forward ran before the first backward (GPipe, or m <= stages ahead)
+            later = activations * (k - 1) / k
+    return psi * grad_bytes, later
+
+
 def evaluate(
     spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
 ) -> dict[str, Any]:
@@ -172,12 +194,15 @@ def evaluate(
                             "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
                             "batch": prof.batch * batch.size}  # fmt: skip
             largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
+            acc = _accumulation(psi, d.compute if sharding == "full" else d.grad, activations, batch, layout,
+                                w.pp_schedule, i)  # fmt: skip
             moment = pk.peak(pk.StepShape(
                 states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
                 dp=layout.dp, d=d, units=tuple(g.per_rank(t) for g in groups), root=root.per_rank(t),
                 largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
                 bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
-                cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0, **shape_kw,
+                cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
+                accumulated_grads=acc[0], later_activations=acc[1], **shape_kw,
             ))  # fmt: skip
         counted = ("params", "grads", "optimizer", "activations")
         buffers = sum(v for k, v in moment.terms.items() if k not in counted)

@@ -99,6 +99,13 @@ class StepShape:
     (ZeRO's reduce-scatter, the optimizer step) count it on its own."""
     cast_copies: float = 0.0
     """bf16/fp16 autocast without FSDP: the 16-bit copy of every weight forward used, kept for backward."""
+    accumulated_grads: float = 0.0
+    """Local gradients a later backward starts with: under ``--grad-accum K > 1`` every strategy keeps full
+    unsharded gradients between micro-steps (no synchronisation before the last), and a pipeline stage
+    accumulates its gradients over the micro-batches of the schedule."""
+    later_activations: float = 0.0
+    """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
+    first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
 
 
 def optimizer_temporaries(s: StepShape) -> float:
@@ -147,6 +154,9 @@ def moments(s: StepShape) -> list[Peak]:
     if s.cast_copies:
         start["autocast weight copies"] = s.cast_copies
     out = [Peak("backward starts", start)]
+    if s.accumulated_grads:
+        later = {**start, "activations": s.later_activations, "accumulated grads": s.accumulated_grads}
+        out.append(Peak("a later micro-batch's backward starts", later))
     if s.sharding == "full" and n > 1:
         out += _fsdp_unit_moments(s, base)
     sharded_opt = s.sharding in ("optimizer", "grads") and n > 1
