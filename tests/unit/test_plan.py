@@ -512,3 +512,19 @@ def test_ddp_and_zero_peak_moments_by_hand() -> None:
     assert wait.terms["send buffers"] == 2 * 25 * 2**20 and "gloo reduce-scatter copy" not in wait.terms
     # on a GPU, foreach AdamW's sqrt over every state this rank holds (Ψ/N x 4) is then the peak
     assert pk.peak(many).terms["optimizer temporaries"] == 4 * huge / 8
+
+
+def test_accumulation_adds_a_later_backward_with_the_local_gradients() -> None:
+    """--grad-accum 2: every strategy keeps full unsharded gradients between micro-steps, so the second
+    micro-step's backward starts with Ψ × grad bytes more than the first (with half the batch's activations)."""
+    base = ("--model", "llama2-7b", "--gpus", "8", "--strategy", "zero1", "--batch-size", "16", "--seq-len",
+            "4096", "--precision", "bf16")  # fmt: skip
+    one, two = run_json(*base)["plans"][0], run_json(*base, "--grad-accum", "2")["plans"][0]
+    m1, m2 = one["peak_moment"], two["peak_moment"]
+    assert "accumulated grads" not in m1["terms"]
+    assert m2["phase"] == "a later micro-batch's backward starts"
+    # ZeRO-1 keeps full gradients at rest too (fp32 under bf16 autocast): the same Ψ × 4 bytes
+    assert m2["terms"]["accumulated grads"] == pytest.approx(one["bytes_per_rank"]["grads"], abs=8)
+    assert m2["terms"]["accumulated grads"] == pytest.approx(run_json(*base)["num_params"] * 4)
+    assert m2["terms"]["activations"] == pytest.approx(m1["terms"]["activations"] / 2, rel=1e-9)
+    assert two["bytes_per_rank"]["peak"] == pytest.approx(sum(m2["terms"].values()), abs=8)
