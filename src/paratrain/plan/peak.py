@@ -10,6 +10,8 @@ the peak is the largest of them:
    exist then: DDP's gradient buckets (allocated once, a second copy of the gradients, Ψ × grad bytes);
    under bf16/fp16 autocast
    without FSDP, the 16-bit copy of every weight that forward used (autocast's cast cache, 2Ψ).
+   With ``--grad-accum K > 1`` (or a pipeline stage's later micro-batches) a *later* backward starts with
+   the full local gradients accumulated so far as well (no synchronisation before the last micro-step).
 2. **FSDP: a unit's post-backward** (``_fsdp_param_group.post_backward``), for each unit u, last to first.
    FSDP2 first reshards u's parameters, then ``foreach_reduce`` copies u's unsharded gradients into a
    reduce-scatter input (P_u) and allocates the output (P_u/N). Gloo's ``reduce_scatter`` works on one
