@@ -13,6 +13,7 @@ from tests.unit.test_loaders import write_cifar, write_idx
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~60 s; dp with every algorithm against one process stays fast (tests/dist/test_dp.py)
 @pytest.mark.timeout(360)
 def test_dp_ring_resnet_on_cifar10_files(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)

@@ -95,6 +95,7 @@ def _check_stopped(run: Path, sig: signal.Signals, rc: int, out: str, err: str, 
     return stop
 
 
+@pytest.mark.slow  # ~100 s; signal stop + exact resume stays in the fast tier (tests/dist/test_checkpoint.py)
 @pytest.mark.timeout(240)
 def test_sigterm_then_sigusr1_to_the_launcher_save_and_resume_exactly(tmp_path: Path, dist_run: Any) -> None:
     run = tmp_path / "run"

@@ -42,7 +42,7 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, dist_run: Any) -> None:
     args = [*COMMON, "--strategy", strategy, "--nproc-per-node", "2"]
     from paratrain.cli import build_config, make_parser

@@ -24,6 +24,7 @@ CASES = [
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~50 s; the same strategies against one process stay fast in tests/dist/test_zero.py
 @pytest.mark.timeout(600)
 def test_zero1_zero2_hsdp_train_from_the_cli_like_one_process(tmp_path: Path) -> None:
     ref = reference(make_cfg(*OVERRIDES))
