@@ -1,9 +1,10 @@
 """Shared-memory collectives (``paratrain.comm.shm``) against Gloo and paratrain's ring, side by side.
 
 For 2 and 4 ranks on this host, for all_reduce, reduce_scatter and all_gather at 1 KB..256 MB (×4), every
-algorithm runs once per iteration, interleaved (``shm``, ``native`` = Gloo's own collective, ``ring`` =
-paratrain's pipelined ring, and for all_reduce ``shm-zero-copy``: the tensor lives in the segment's arena
-and is reduced where it lies, as dp's gradient buckets will). Each call is timed alone (a Gloo barrier,
+algorithm runs once per iteration, interleaved (``shm`` as shipped: the direct path above 256 KiB where
+the kernel allows it, the slots below; ``shm-slots``: the slots only; ``native`` = Gloo's own collective;
+``ring`` = paratrain's pipelined ring; and for all_reduce ``shm-zero-copy``: the tensor lives in the
+segment's arena and is reduced where it lies, as dp's gradient buckets are). Each call is timed alone (a Gloo barrier,
 then the call); an iteration's time is the slowest rank's; the figure is the median over the iterations.
 Each row also has the CPU seconds of the call summed over the ranks (``time.process_time``, every thread
 of a rank: Gloo's own threads included), which on a loaded machine shows the work a call does more
@@ -17,7 +18,10 @@ The memory-bandwidth limit is measured in the same script, on one core: a ``copy
 (bytes copied per second) and an ``add`` of two (bytes of one operand per second). A rank of the shm
 all-reduce copies S in, reads S to reduce its chunk and copies S out, so on one core per rank its busbw
 cannot pass about 2(n−1)/n × 1 / (1/copy + 1/read + 1/copy) of those figures (printed as the "limit");
-with more ranks than cores (4 ranks on a 2-core VM) the ranks share the cores, and the limit halves.
+with more ranks than cores (4 ranks on a 2-core VM) the ranks share the cores, and the limit halves. The
+direct path (``shm``, when ``process_vm_readv`` is allowed; ``shm-slots`` is the same communicator with it
+turned off) copies (n−1)/n·S in, adds S/n and copies (n−1)/n·S out: its limit is
+2(n−1)/n / (2(n−1)/(n·copy) + 1/(n·add)).
 
     python benchmarks/bench_shm.py                        # the full sweep (about 7-10 minutes here)
     python benchmarks/bench_shm.py --quick                # smoke run: three sizes, few iterations
@@ -218,6 +222,15 @@ def shm_limit(membw: dict[str, float], n: int, cores: int) -> float:
     return 2 * (n - 1) / n / per_byte * share
 
 
+def direct_limit(membw: dict[str, float], n: int, cores: int) -> float:
+    """busbw bound of the direct (cross-memory attach) all-reduce on one core per rank: (n-1)/n·S copied
+    in, S/n reduced (an ``add`` of this rank's chunk with the peers' blocks, which are in cache), (n-1)/n·S
+    copied out; shared cores scaled."""
+    per_byte = 2 * (n - 1) / n / membw["copy_GBps"] + 1 / n / membw["add_GBps"]
+    share = min(1.0, cores / n)
+    return 2 * (n - 1) / n / per_byte * share
+
+
 def tables(result: dict[str, Any]) -> str:
     out = []
     cores = result["machine"]["cores"]
@@ -243,7 +256,10 @@ def tables(result: dict[str, Any]) -> str:
                 )
                 lines.append(f"| {fmt(s)} | " + " | ".join(cells) + f" | **{ratio:.2f}x** |")
             if collective == "all_reduce":
-                lines.append(f"\nshm all_reduce memory-bandwidth limit (model): {limit:.2f} GB/s busbw")
+                lines.append(
+                    f"\nmemory-bandwidth limits (model), busbw: through the slots {limit:.2f} GB/s, direct "
+                    f"{direct_limit(result['membw'], n, cores):.2f} GB/s"
+                )
             out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -336,6 +352,9 @@ def main() -> None:
                     "torch": torch.__version__, "python": platform.python_version()},
         "membw": membw, "world_sizes": world_sizes, "collectives": collectives, "spec": spec,
         "shm_all_reduce_limit_GBps": {str(n): shm_limit(membw, n, os.cpu_count() or 1) for n in world_sizes},
+        "direct_all_reduce_limit_GBps": {
+            str(n): direct_limit(membw, n, os.cpu_count() or 1) for n in world_sizes
+        },
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "rows": rows,
     }  # fmt: skip
     if args.plot:
