@@ -202,7 +202,9 @@ def evaluate(
                 largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
                 bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
                 cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
-                accumulated_grads=acc[0], later_activations=acc[1], **shape_kw,
+                accumulated_grads=acc[0], later_activations=acc[1],
+                later_unsharded_params=psi * d.compute if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
+                **shape_kw,
             ))  # fmt: skip
         counted = ("params", "grads", "optimizer", "activations")
         buffers = sum(v for k, v in moment.terms.items() if k not in counted)

@@ -105,6 +105,9 @@ class StepShape:
     """Local gradients a later backward starts with: under ``--grad-accum K > 1`` every strategy keeps full
     unsharded gradients between micro-steps (no synchronisation before the last), and a pipeline stage
     accumulates its gradients over the micro-batches of the schedule."""
+    later_unsharded_params: float = 0.0
+    """FSDP stages of a pipeline: torch's schedule turns ``reshard_after_backward`` off until the last
+    micro-batch, so after the first backward the stage's parameters stay unsharded (Ψ × compute bytes)."""
     later_activations: float = 0.0
     """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
@@ -158,6 +161,8 @@ def moments(s: StepShape) -> list[Peak]:
     out = [Peak("backward starts", start)]
     if s.accumulated_grads:
         later = {**start, "activations": s.later_activations, "accumulated grads": s.accumulated_grads}
+        if s.later_unsharded_params:
+            later["unsharded params (pipeline FSDP stage)"] = s.later_unsharded_params
         out.append(Peak("a later micro-batch's backward starts", later))
     if s.sharding == "full" and n > 1:
         out += _fsdp_unit_moments(s, base)
