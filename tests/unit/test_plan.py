@@ -528,3 +528,18 @@ def test_accumulation_adds_a_later_backward_with_the_local_gradients() -> None:
     assert m2["terms"]["accumulated grads"] == pytest.approx(run_json(*base)["num_params"] * 4)
     assert m2["terms"]["activations"] == pytest.approx(m1["terms"]["activations"] / 2, rel=1e-9)
     assert two["bytes_per_rank"]["peak"] == pytest.approx(sum(m2["terms"].values()), abs=8)
+
+
+def test_pipeline_fsdp_stage_keeps_parameters_unsharded_between_micro_batches() -> None:
+    """torch's pipeline schedule turns reshard_after_backward off until the last micro-batch: an FSDP stage's
+    later backward starts with its parameters and gradients unsharded; a plain pipeline stage has no such term."""
+    args = ("--model", "llama-debug", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--batch-size", "64",
+            "--seq-len", "64", "--precision", "fp32", "--cluster", "cpu-local")  # fmt: skip
+    fsdp = run_json(*args, "--strategy", "fsdp+pp")["plans"][0]
+    terms = fsdp["peak_moment"]["terms"]
+    assert fsdp["peak_moment"]["phase"] == "a later micro-batch's backward starts"
+    # fp32: the unsharded parameters and the unsharded gradients are the same bytes, twice the sharded params
+    assert terms["unsharded params (pipeline FSDP stage)"] == pytest.approx(terms["accumulated grads"])
+    assert terms["unsharded params (pipeline FSDP stage)"] == pytest.approx(2 * terms["params"], rel=0.01)
+    plain = run_json(*args[:3], "2", *args[4:], "--strategy", "pp")["plans"][0]
+    assert "unsharded params (pipeline FSDP stage)" not in plain["peak_moment"]["terms"]
