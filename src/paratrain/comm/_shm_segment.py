@@ -61,7 +61,12 @@ SMALL_BYTES = 64 << 10
 """all_reduce pieces up to this size are reduced by every rank (one barrier instead of two)."""
 DIRECT_MIN_BYTES = 256 << 10
 """Tensors above this size take the direct path (cross-memory attach) when it is available; smaller ones
-go through the slots, where a call needs fewer barriers."""
+go through the slots, where a call needs fewer barriers (see ``OVERSUBSCRIBED_DIRECT_MIN_BYTES``)."""
+OVERSUBSCRIBED_DIRECT_MIN_BYTES = 32 << 20
+"""The direct path's threshold when the group has more ranks than the host has cores: its extra DONE barrier
+then costs a context switch per rank, and 4 ranks on the 2-core development VM measured the slots faster
+up to 16 MB (direct 1.57x / 1.69x Gloo at 4 / 16 MB against the slots' 2.16x / 1.78x) and the direct path
+faster from 64 MB (2.04x against 1.91x; ``benchmarks/bench_shm.py``)."""
 DIRECT_BLOCK_BYTES = 512 << 10
 """The direct reduction reads every rank's block of this size into a private (n, block) buffer that stays
 in cache, then reduces it."""
@@ -127,6 +132,8 @@ class _Segment:
         self._futex: _Futex | None = None
         self._lines_addr = 0
         self.direct = False
+        if direct_min_bytes == DIRECT_MIN_BYTES and self.size > (os.cpu_count() or 1):
+            direct_min_bytes = OVERSUBSCRIBED_DIRECT_MIN_BYTES  # the same on every rank of one host
         self.direct_min_bytes = direct_min_bytes
         self.direct_block_bytes = max(_ALIGN, direct_block_bytes)
         self._vm: _VmReader | None = None

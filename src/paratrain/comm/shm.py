@@ -67,7 +67,7 @@ ranks). The zero-copy arena is the exception (the caller writes it at will after
 :meth:`all_reduce_inplace_slot` ends with a third barrier on ``DONE``.
 
 **Direct path** (cross-memory attach). Where the kernel allows it, tensors above ``direct_min_bytes``
-(256 KiB) skip the slots: each rank publishes its tensor's address in its header line with ARRIVE, and
+(256 KiB; 32 MiB when the group has more ranks than the host has cores) skip the slots: each rank publishes its tensor's address in its header line with ARRIVE, and
 the others copy straight out of its address space with ``process_vm_readv(2)`` (one kernel copy, as MPI
 implementations do on one host). all_reduce: rank r reads block by block every peer's chunk r into a
 private cache-sized buffer and combines it with its own chunk in place (``REDUCED = k``), then reads
