@@ -1,8 +1,8 @@
-"""Why the ring all-reduce measures 0.8-0.9x Gloo at 16 MB on 4 ranks: piece size, side by side, repeated.
+"""The ring all-reduce against Gloo at 16 and 64 MB on 4 ranks: pipelining depth, side by side, repeated.
 
-At 16 MB on 4 ranks a chunk (S/n) is 4 MiB, exactly one ``PIECE_BYTES`` piece: the ring is not pipelined
-there (P = 1), each of its 2(n-1) = 6 steps waits for a whole chunk, and the reduce-scatter window holds
-two of its three receives. The calls below take turns in every iteration (each after a barrier, timed
+At 16 MB on 4 ranks a chunk (S/n) is 4 MiB, exactly one ``PIECE_BYTES`` piece: before ``MIN_PIPELINED_BYTES``
+the ring was not pipelined there (P = 1), each of its 2(n-1) = 6 steps waiting for a whole chunk; it now
+cuts such a chunk in two. The calls below take turns in every iteration (each after a barrier, timed
 alone; an iteration's time is the slowest rank's; a run's figure is the median over ``--iters``
 iterations), in ``--runs`` separate process groups:
 
