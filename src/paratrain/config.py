@@ -188,7 +188,8 @@ class StrategyConfig:
     bucket_cap_mb: float = 25.0
     """Gradient bucket size in MiB (``ddp``, ``dp``, ``zero1``/``zero2``)."""
     gradient_as_bucket_view: bool = False
-    """``ddp``: let gradients alias the all-reduce buckets (saves one gradient copy of memory)."""
+    """``ddp``: let gradients alias the all-reduce buckets (saves one gradient copy of memory and the copies
+    in and out of the buckets). Always on with ``--comm-algorithm shm``."""
     static_graph: bool = False
     """``ddp``: declare that the autograd graph is the same every step."""
     find_unused_parameters: bool = False

@@ -17,8 +17,10 @@ Configuration, and why:
 - ``--comm-algorithm shm`` registers a DDP communication hook
   (:func:`paratrain.comm.shm_hook.shm_allreduce_hook`): the reducer still builds and orders the buckets,
   but each bucket's all-reduce goes through one shared-memory segment of the ranks of this host, on a
-  worker thread of the hook's state, instead of Gloo's TCP loopback. Other algorithms are refused (they
-  are ``dp``'s; torch's reducer only takes a hook).
+  worker thread of the hook's state, instead of Gloo's TCP loopback. The gradients then alias the buckets
+  (``gradient_as_bucket_view`` on): the hook's all-reduce reads the peers' buckets where they lie, so
+  copying every gradient into its bucket and back would be the only copies left. Other algorithms are
+  refused (they are ``dp``'s; torch's reducer only takes a hook).
 
 Reference: https://pytorch.org/docs/stable/notes/ddp.html
 """
@@ -145,7 +147,9 @@ class NativeDDP(Strategy):
             process_group=self.dp_group,  # None: every rank (the default group)
             forward_sync_buffers=True,  # re-broadcast buffers (BatchNorm stats) from rank 0 each forward
             bucket_cap_mb=self.config.bucket_cap_mb,
-            gradient_as_bucket_view=self.config.gradient_as_bucket_view,
+            # with the shm hook the peers read each bucket where it lies, so the copies of every gradient into
+            # its bucket and back are the only copies left: gradients alias the buckets instead
+            gradient_as_bucket_view=self.config.gradient_as_bucket_view or self.config.comm_algorithm == "shm",
             static_graph=self.config.static_graph,
             find_unused_parameters=self.config.find_unused_parameters,
         )
