@@ -149,7 +149,8 @@ class NativeDDP(Strategy):
             bucket_cap_mb=self.config.bucket_cap_mb,
             # with the shm hook the peers read each bucket where it lies, so the copies of every gradient into
             # its bucket and back are the only copies left: gradients alias the buckets instead
-            gradient_as_bucket_view=self.config.gradient_as_bucket_view or self.config.comm_algorithm == "shm",
+            gradient_as_bucket_view=self.config.gradient_as_bucket_view
+            or self.config.comm_algorithm == "shm",
             static_graph=self.config.static_graph,
             find_unused_parameters=self.config.find_unused_parameters,
         )

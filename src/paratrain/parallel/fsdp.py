@@ -34,15 +34,14 @@ torch 2.13), so every CPU test runs the real thing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
+from paratrain.parallel.grads import clip_grad_norm, no_gradient_sync
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.parallelize import model_blocks
 from paratrain.parallel.registry import register_strategy
@@ -121,42 +120,12 @@ class _FullyShard(Strategy):
         return model, rebind_optimizer(optimizer, names, model)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return _no_gradient_sync(model)
+        return no_gradient_sync(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip to the global L2 norm: local shards' squares summed over the ``shard`` axis.
-
-        Shards are disjoint along ``dp_shard`` and identical along ``dp_replicate`` (already all-reduced), so one
-        all-reduce of a scalar over the shard group gives the norm of the full gradient.
-        """
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for g in local:
-            sq += g.float().pow(2).sum().to(self.ctx.device)
-        group = self.mesh.get_group("dp_shard") if self.mesh is not None else None
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sq, group=group)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        with torch.no_grad():
-            for g in local:
-                g.mul_(coef.to(g.device, g.dtype))
-        return norm
-
-
-@contextlib.contextmanager
-def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
-    # FSDP2: skip reduce-scatter (and HSDP's all-reduce) on this micro-step; every unit follows the root.
-    set_sync = getattr(model, "set_requires_gradient_sync", None)
-    if set_sync is None:
-        yield
-        return
-    set_sync(False)
-    try:
-        yield
-    finally:
-        set_sync(True)
+        """Clip to the global L2 norm: the local shards' squares, summed over the axes each gradient is sharded
+        on (``dp_shard``; ``dp_replicate`` holds identical, already all-reduced values)."""
+        return clip_grad_norm(model.parameters(), max_norm, self.ctx.device)
 
 
 @register_strategy("zero3", aliases=("fsdp",))

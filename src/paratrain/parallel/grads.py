@@ -12,7 +12,8 @@ Used by the model-parallel strategies (:mod:`.tensor`, :mod:`.pipeline`) after t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -149,3 +150,18 @@ def all_reduce_replicas(params: Iterable[nn.Parameter], group: Any, bucket_bytes
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2: no reduce-scatter (nor HSDP's all-reduce) on this micro-step; gradients accumulate unsharded,
+    and every unit follows the root's setting. A model without FSDP2 is left as it is."""
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is None:
+        yield
+        return
+    set_sync(False)
+    try:
+        yield
+    finally:
+        set_sync(True)

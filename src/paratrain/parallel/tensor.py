@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -49,6 +49,7 @@ from paratrain.parallel.grads import (
     align_grads,
     all_reduce_replicas,
     clip_grad_norm,
+    no_gradient_sync,
     replicated_value,
     to_local,
 )
@@ -256,20 +257,6 @@ class ModelParallel(Strategy):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(model.parameters(), max_norm, self.ctx.device)
-
-
-@contextlib.contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """FSDP2: no reduce-scatter on this micro-step (gradients accumulate unsharded)."""
-    set_sync = getattr(model, "set_requires_gradient_sync", None)
-    if set_sync is None:
-        yield
-        return
-    set_sync(False)
-    try:
-        yield
-    finally:
-        set_sync(True)
 
 
 class _TensorParallel(ModelParallel):
