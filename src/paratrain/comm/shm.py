@@ -400,13 +400,13 @@ class ShmCommunicator(_Segment):
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat, dtype, r = buf.view(-1), buf.dtype, self.rank
         per = self.capacity_bytes // _esize(dtype)
-        pieces = [(lo, min(flat.numel(), lo + per)) for lo in range(0, flat.numel(), per)]
+        direct = self._takes_direct(flat)
+        pieces = [] if direct else [(lo, min(flat.numel(), lo + per)) for lo in range(0, flat.numel(), per)]
         sig = _signature("broadcast", "", dtype, flat.numel(), root, 0, len(pieces))
         with self._call("broadcast"):
-            if self._takes_direct(flat):
+            if direct:
                 self._broadcast_direct(flat, root)
-                pieces = []
-            for p, (lo, hi) in enumerate(pieces):
+            for p, (lo, hi) in enumerate(pieces):  # through the root's slot, piece by piece
                 what = ("broadcast", p, len(pieces))
                 k, b = self._next()
                 slot = self._flat(dtype, self._slot(b, root), hi - lo)

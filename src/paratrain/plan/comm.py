@@ -1,32 +1,10 @@
-"""The α–β(–γ) cost model of collectives, nccl-tests' bandwidth conventions, and what a layout communicates.
+"""What a layout communicates per step, costed with the α–β model of :mod:`paratrain.comm.cost` on each link.
 
-A message of m bytes between two ranks costs α + mβ (α: latency per message, β: seconds per byte, the
-inverse link bandwidth); reducing m bytes costs mγ. S is the message size as nccl-tests defines it: the
-tensor of all_reduce / broadcast / reduce, the whole *gathered* array of all_gather, the whole *input*
-of reduce_scatter. n is the number of ranks (Thakur, Rabenseifner & Gropp, IJHPCA 2005; Patarasuk & Yuan,
-JPDC 2009; the formulas of :mod:`paratrain.comm`'s algorithms):
-
-=================  =============================  =================================================
-collective         algorithm                      time
-=================  =============================  =================================================
-broadcast          naive                          (n−1)(α + Sβ)
-broadcast          tree                           ⌈log2 n⌉(α + Sβ)
-reduce             naive                          (n−1)(α + Sβ + Sγ)
-reduce             tree                           ⌈log2 n⌉(α + Sβ + Sγ)
-all_reduce         naive                          2(n−1)(α + Sβ) + (n−1)Sγ
-all_reduce         tree                           2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉Sγ
-all_reduce         ring (P pieces per chunk)      2(n−1)Pα + 2(n−1)/n·Sβ + (n−1)/n·Sγ
-all_reduce         rhd (p = 2^⌊log2 n⌋)           2·log2(p)·α + 2(p−1)/p·Sβ + (p−1)/p·Sγ [+ 2(α+Sβ) + Sγ if n≠p]
-all_gather         naive                          2(n−1)α + (n−1)(1 + 1/n)Sβ
-all_gather         ring                           (n−1)Pα + (n−1)/n·Sβ
-reduce_scatter     naive                          2(n−1)α + (n−1)(1 + 1/n)Sβ + (n−1)Sγ
-reduce_scatter     ring                           (n−1)Pα + (n−1)/n·Sβ + (n−1)/n·Sγ
-=================  =============================  =================================================
-
-Bandwidths (nccl-tests, doc/PERFORMANCE.md): algbw = S / t, and busbw = algbw × factor, with factor
-2(n−1)/n for all_reduce, (n−1)/n for all_gather and reduce_scatter, 1 for broadcast, reduce and
-point-to-point. busbw is what each rank's link carries, so it approaches the link bandwidth 1/β; the
-bytes a rank *sends* in one collective are S × factor.
+The cost model itself (α per message, β per byte, γ per byte reduced), the time of every algorithm of
+:mod:`paratrain.comm`, and nccl-tests' algbw/busbw conventions are defined once, in
+:mod:`paratrain.comm.cost` (whose docstring has the table), and imported here: prediction and measurement
+share one vocabulary. The bytes a rank *sends* in one collective are S × the bus factor (2(n−1)/n for
+all_reduce, (n−1)/n for all_gather and reduce_scatter, 1 for broadcast, reduce and point-to-point).
 
 **Planning** (:func:`op_time`, :func:`link_for`). A training step's collectives (built by
 :func:`step_ops`) run the way NCCL runs them on GPUs: ring all-gather / reduce-scatter, and the
