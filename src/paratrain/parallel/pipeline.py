@@ -125,9 +125,8 @@ def _split_fn(model: nn.Module) -> Any:
 class _Pipeline(ModelParallel):
     uses_pp = True
     pp_default = "two"
-    peak_by_module = (
-        False  # the schedule runs each stage module once per micro-batch, out of MemTracker's order
-    )
+    # the schedule runs each stage module once per micro-batch, out of MemTracker's per-module order
+    peak_by_module = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
