@@ -279,12 +279,15 @@ def test_hierarchical_all_reduce_two_simulated_nodes() -> None:
 
 def check_arena() -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
+    shm.IN_PLACE_BLOCK_BYTES = 512  # a chunk of the first buckets spans several blocks of the in-place reduction
     c = shm.ShmCommunicator(arena_bytes=64 << 10, capacity_bytes=4096)
-    shapes = [((1000,), torch.float32), ((3, 7), torch.float64), ((1,), torch.int64), ((33,), torch.bfloat16)]
+    shapes = [((1000,), torch.float32), ((3, 7), torch.float64), ((1,), torch.int64), ((33,), torch.bfloat16),
+              ((777,), torch.int32), ((301,), torch.bfloat16), ((257,), torch.bool)]  # fmt: skip
+    ops = ["mean", "sum", "max", "sum", "prod", "sum", "bor"]
     buckets = [c.allocate(s, d) for s, d in shapes]
     out: dict[str, Any] = {"failures": []}
     for it in range(4):  # refill and reduce again: the DONE barrier makes rewriting safe
-        for k, (b, op) in enumerate(zip(buckets, ["mean", "sum", "max", "sum"], strict=True)):
+        for k, (b, op) in enumerate(zip(buckets, ops, strict=True)):
             x = _data(tuple(b.shape), b.dtype, op, seed=100 * it + 10 * k + rank)
             b.copy_(x)
             ref = _ref_all_reduce(x, op, None, n)
@@ -307,11 +310,12 @@ def check_arena() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_zero_copy_arena() -> None:
-    results = run_distributed(check_arena, 3, timeout_s=110)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zero_copy_arena(world: int) -> None:
+    results = run_distributed(check_arena, world, timeout_s=110)
     for r in results:
         assert r["failures"] == []
-        assert r["after"] == [3.0, 3.0, 3.0]
+        assert r["after"] == [sum(range(world))] * 3
         assert "disagree" in r["offset_mismatch"] and "arena offset" in r["offset_mismatch"]
         assert "allocate()" in r["not_in_arena"]
         assert "do not fit in the arena" in r["arena_full"]

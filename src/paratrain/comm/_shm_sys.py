@@ -189,32 +189,40 @@ _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFF
 
 
 class _VmReader:
-    """``process_vm_readv(2)`` through libc (Linux "cross-memory attach"): copy bytes straight out of
-    another process's address space, one kernel copy, no intermediate buffer. Permitted when the reader
-    may ptrace the target (same user; under Yama ``ptrace_scope`` 1 the target must allow it with
-    :meth:`allow_peers`). ctypes releases the GIL for the call."""
+    """``process_vm_readv(2)`` / ``process_vm_writev(2)`` through libc (Linux "cross-memory attach"): copy
+    bytes straight out of (into) another process's address space, one kernel copy, no intermediate
+    buffer. Permitted when the caller may ptrace the target (same user; under Yama ``ptrace_scope`` 1 the
+    target must allow it with :meth:`allow_peers`). ctypes releases the GIL for the call."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        self._read = libc.process_vm_readv
-        self._read.restype = ctypes.c_ssize_t
-        self._read.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                               ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+        self._calls: dict[str, Any] = {}
+        for name in ("process_vm_readv", "process_vm_writev"):
+            f = getattr(libc, name)
+            f.restype = ctypes.c_ssize_t
+            f.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                          ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+            self._calls[name] = f
         self._prctl = libc.prctl
 
     def read(self, pid: int, local: int, remote: int, nbytes: int) -> None:
         """Copy ``nbytes`` from address ``remote`` of process ``pid`` to ``local``; ``OSError`` on failure
         (``ESRCH``: the process is gone; ``EPERM``: not allowed; ``EFAULT``: a bad address)."""
-        done = 0
+        self._move("process_vm_readv", pid, local, remote, nbytes)
+
+    def write(self, pid: int, local: int, remote: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``local`` to address ``remote`` of process ``pid``; errors as :meth:`read`."""
+        self._move("process_vm_writev", pid, local, remote, nbytes)
+
+    def _move(self, name: str, pid: int, local: int, remote: int, nbytes: int) -> None:
+        call, done = self._calls[name], 0
         while done < nbytes:
             loc = _Iovec(local + done, nbytes - done)
             rem = _Iovec(remote + done, nbytes - done)
-            got = self._read(pid, ctypes.byref(loc), 1, ctypes.byref(rem), 1, 0)
+            got = call(pid, ctypes.byref(loc), 1, ctypes.byref(rem), 1, 0)
             if got <= 0:
                 err = ctypes.get_errno() if got < 0 else 0
-                raise OSError(
-                    err, f"process_vm_readv from pid {pid}: {os.strerror(err) if err else 'no data'}"
-                )
+                raise OSError(err, f"{name} with pid {pid}: {os.strerror(err) if err else 'no data'}")
             done += got
 
     def allow_peers(self) -> None:

@@ -70,16 +70,17 @@ ranks). The zero-copy arena is the exception (the caller writes it at will after
 (256 KiB; 32 MiB when the group has more ranks than the host has cores) skip the slots: each rank publishes its tensor's address in its header line with ARRIVE, and
 the others copy straight out of its address space with ``process_vm_readv(2)`` (one kernel copy, as MPI
 implementations do on one host). all_reduce: rank r reads block by block every peer's chunk r into a
-private cache-sized buffer and combines it with its own chunk in place (``REDUCED = k``), then reads
-every other reduced chunk from its owner, then a ``DONE`` barrier (after it no peer reads this rank's
-memory). Per rank that is (n−1)/n·S read in, S/n reduced, (n−1)/n·S read out, against the slots' copy in
-(S), reduction and copy out (S). reduce_scatter and all_gather read the peers' inputs the same way;
-broadcast reads the root's tensor. It is decided once, collectively, when the communicator is created:
-every rank must want it (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``), all must share one pid
-namespace, and each must read a probe word of the next rank successfully. Same-user processes may read
-each other unless Yama's ``ptrace_scope`` forbids it; at scope 1 every rank allows its peers with
-``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the slots are used). A peer that dies mid-call
-makes the read fail with ``ESRCH``, which names it.
+private cache-sized buffer, combines it with its own chunk in place, and writes the reduced block back
+into every peer's chunk r with ``process_vm_writev(2)`` while it is in cache; then a ``DONE`` barrier
+(after it no peer reads or writes this rank's memory). Chunk r of every rank's tensor is touched by
+rank r alone, so no other barrier is needed. Per rank that is (n−1)/n·S read in, S/n reduced, (n−1)/n·S
+written out, against the slots' copy in (S), reduction and copy out (S). reduce_scatter and all_gather
+read the peers' inputs the same way; broadcast reads the root's tensor. It is decided once, collectively,
+when the communicator is created: every rank must want it (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not
+``0``), all must share one pid namespace, and each must read (and write back) a probe word of the next
+rank successfully. Same-user processes may read each other unless Yama's ``ptrace_scope`` forbids it; at
+scope 1 every rank allows its peers with ``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the
+slots are used). A peer that dies mid-call makes the read fail with ``ESRCH``, which names it.
 
 **Waiting.** A rank polls the flags it waits for: a few µs of pure spinning, then ``sched_yield`` for
 up to ``YIELD_S``, then it blocks in ``futex(FUTEX_WAIT)`` on the first late rank's flag word, and every
@@ -129,6 +130,7 @@ from paratrain.comm._shm_ops import (
     _signature,
     _with_seq,
     check_op,
+    divide_,
     native_op,
     normalize_op,
     pairwise,
@@ -141,6 +143,7 @@ from paratrain.comm._shm_segment import (
     _REDUCED,
     DEFAULT_CAPACITY_BYTES,
     DIRECT_MIN_BYTES,
+    IN_PLACE_BLOCK_BYTES,
     SMALL_BYTES,
     _Segment,
 )
@@ -240,7 +243,7 @@ class ShmCommunicator(_Segment):
                     out = flat[lo:hi]
                     _reduce_rows(self._slots(dtype, b, 0, m), out, op)
                     if op == "mean":
-                        out.div_(n)
+                        divide_(out, n)
                 continue
             q = -(-m // n // grain) * grain if m >= n * grain else grain
             a, c = min(m, r * q), min(m, (r + 1) * q)
@@ -248,7 +251,7 @@ class ShmCommunicator(_Segment):
             if c > a:  # 3. my chunk of the piece, from every slot, into the result buffer
                 _reduce_rows(self._slots(dtype, b, a, c - a), res[a:c], op)
                 if op == "mean":
-                    res[a:c].div_(n)
+                    divide_(res[a:c], n)
             self._publish(_REDUCED, k)
             if root is None or root == r:
                 self._wait(_REDUCED, k, what)  # 4. every chunk is reduced: copy the piece out
@@ -326,7 +329,7 @@ class ShmCommunicator(_Segment):
             if e > s:
                 _reduce_rows(self._slots(dtype, b, r * q, e - s), out[s:e], op)
                 if op == "mean":
-                    out[s:e].div_(n)
+                    divide_(out[s:e], n)
 
     @torch.no_grad()
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -446,11 +449,13 @@ class ShmCommunicator(_Segment):
 
     def _reduce_chunk_direct(
         self, addrs: list[int], lo: int, hi: int, own: torch.Tensor, out: torch.Tensor, op: str,
-        what: tuple[str, int, int],
+        what: tuple[str, int, int], write_back: bool = False,
     ) -> None:  # fmt: skip
         """``out`` = the reduction of elements [lo, hi) of every rank's flat tensor (rank j's at
         ``addrs[j]``, this rank's is ``own``; ``out`` may be ``own[lo:hi]``), block by block: the peers'
-        blocks are read into a private buffer that stays in cache, then combined with this rank's."""
+        blocks are read into a private buffer that stays in cache, then combined with this rank's.
+        ``write_back``: each reduced block is also written into every peer's tensor, where it was read
+        from, while it is still in cache (the all-reduce)."""
         dtype, es, n, r = own.dtype, _esize(own.dtype), self.size, self.rank
         binary = pairwise(op, dtype)
         block = max(1, self.direct_block_bytes // es)
@@ -470,12 +475,18 @@ class ShmCommunicator(_Segment):
                 rows[n - 1, :m].copy_(own[s:e])
                 _reduce_rows(rows[:, :m], dst, op)
             if op == "mean":
-                dst.div_(n)
+                divide_(dst, n)
+            if write_back:
+                for j in peers:
+                    self._peer_write(j, dst, addrs[j] + s * es, what)
 
     def _all_reduce_direct(self, flat: torch.Tensor, op: str) -> None:
         """Every rank reduces its 1/n chunk by reading the others' tensors where they lie (no copy into
-        the segment), writes it into its own tensor, then reads the other reduced chunks from their
-        owners: each rank moves about (n-1)/n·S in and (n-1)/n·S out, plus one reduction of S/n."""
+        the segment), block by block, into its own tensor, and writes each reduced block into the others'
+        tensors at once (``process_vm_writev``, the block still in cache): each rank moves about
+        (n-1)/n·S in and (n-1)/n·S out, plus one reduction of S/n, between two barriers (ARRIVE, DONE).
+        Rank j's chunk r is touched by rank r alone (read, then overwritten with the result), and no rank
+        returns before every rank has written (DONE)."""
         n, r, dtype = self.size, self.rank, flat.dtype
         es, numel = _esize(dtype), flat.numel()
         grain = max(1, _ALIGN // es)
@@ -485,13 +496,8 @@ class ShmCommunicator(_Segment):
         k, what = self._begin_direct("all_reduce", sig, flat.data_ptr())
         addrs = [int(a) for a in self._lines[:, _ADDR]]
         a, c = bounds[r]
-        if c > a:  # my chunk is only ever read by the others after REDUCED: reduce it in place
-            self._reduce_chunk_direct(addrs, a, c, flat, flat[a:c], op, what)
-        self._publish(_REDUCED, k)
-        self._wait(_REDUCED, k, what)
-        for j, (a, c) in enumerate(bounds):
-            if j != r and c > a:
-                self._peer_read(j, flat[a:c], addrs[j] + a * es, what)
+        if c > a:  # nobody else reads or writes my chunk of any tensor: reduce it in place
+            self._reduce_chunk_direct(addrs, a, c, flat, flat[a:c], op, what, write_back=True)
         self._end_direct(k, what)
 
     def _reduce_scatter_direct(
@@ -534,7 +540,8 @@ class ShmCommunicator(_Segment):
         """All-reduce a tensor from :meth:`allocate` where it lies: no copy in, peers read it directly.
 
         Steps (k = this call's step): ``ARRIVE = k``, wait for every ARRIVE (the signature includes the
-        arena offset); reduce chunk ``rank`` of every rank's copy into this rank's copy; ``REDUCED = k``,
+        arena offset); reduce chunk ``rank`` of every rank's copy into this rank's copy, in place (no peer
+        reads that chunk before REDUCED); ``REDUCED = k``,
         wait for every REDUCED; copy the other chunks from their owners' copies; ``DONE = k``, wait for
         every DONE (after that no peer reads this rank's arena, so the caller may write it again).
         """
@@ -562,15 +569,8 @@ class ShmCommunicator(_Segment):
             self._wait(_ARRIVE, k, what)
             self._check_sig(k, _with_seq(sig, k))
             a, c = bounds[r]
-            block = max(1, (256 << 10) // es)  # reduce through an L2-sized private block
-            scratch = torch.empty(min(block, max(c - a, 1)), dtype=dtype)
-            for s in range(a, c, block):
-                e = min(c, s + block)
-                rows = self._rows(dtype, self._arena(0) + off + s * es, self.arena_bytes, n, e - s)
-                _reduce_rows(rows, scratch[: e - s], op)
-                if op == "mean":
-                    scratch[: e - s].div_(n)
-                tensor.view(-1)[s:e].copy_(scratch[: e - s])
+            if c > a:  # the peers read my chunk only after REDUCED: reduce it where it lies
+                self._reduce_arena_chunk(tensor.view(-1), off, a, c, op)
             self._publish(_REDUCED, k)
             self._wait(_REDUCED, k, what)
             flat = tensor.view(-1)
@@ -580,6 +580,36 @@ class ShmCommunicator(_Segment):
             self._publish(_DONE, k)
             self._wait(_DONE, k, what)
         return tensor
+
+    def _reduce_arena_chunk(self, flat: torch.Tensor, off: int, a: int, c: int, op: str) -> None:
+        """Elements [a, c) of this rank's arena tensor ``flat`` (at arena offset ``off``) become their
+        reduction over every rank's copy, in place, in rank order (``((x0 + x1) + x2) + ...``, as
+        :func:`._shm_ops._reduce_rows` does), block by block. With a pairwise op the last combination
+        writes straight into ``flat`` (earlier partial results of 3+ ranks go through an L2-sized private
+        block); the others reduce into the block and copy it back."""
+        dtype, es, n = flat.dtype, _esize(flat.dtype), self.size
+        binary = pairwise(op, dtype)
+        block = max(1, IN_PLACE_BLOCK_BYTES // es)
+        partial = self._scratch_rows(dtype, min(block, c - a))[0] if binary is None or n > 2 else None
+        for s in range(a, c, block):
+            e = min(c, s + block)
+            rows = self._rows(dtype, self._arena(0) + off + s * es, self.arena_bytes, n, e - s)
+            own = flat[s:e]
+            if binary is None:
+                assert partial is not None
+                _reduce_rows(rows, partial[: e - s], op)
+                own.copy_(partial[: e - s])
+            elif n == 2:
+                binary(rows[0], rows[1], out=own)  # own is rows[r]: an elementwise op may write its input
+            else:
+                assert partial is not None
+                acc = partial[: e - s]
+                binary(rows[0], rows[1], out=acc)
+                for j in range(2, n - 1):
+                    binary(acc, rows[j], out=acc)
+                binary(acc, rows[n - 1], out=own)  # rows[r] was read above (or is rows[n-1] itself)
+            if op == "mean":
+                divide_(own, n)
 
 
 # ---------------------------------------------------------------------------------------------------
