@@ -40,6 +40,17 @@ def test_diverging_lr_stops_with_nonzero_exit_naming_step_and_parameter(tmp_path
     assert not (tmp_path / "r" / "summary.json").exists()
 
 
+@pytest.mark.timeout(120)
+def test_nonfinite_stops_every_rank_of_zero_copy_dp(tmp_path: Path) -> None:
+    # each rank checks half of the (replicated) gradients; the verdict must still stop both ranks at once
+    proc = run_cli("train", *MLP, "--lr", "1e30", "--steps", "20", "--strategy", "dp", "--comm-algorithm", "shm",
+                   "--nproc-per-node", "2", "--run-dir", str(tmp_path / "r"), cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "non-finite loss or gradient at step" in proc.stderr, proc.stderr
+    _no_traceback(proc.stderr)
+    assert not (tmp_path / "r" / "summary.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_skip_mode_skips_then_stops_at_the_limit(tmp_path: Path) -> None:

@@ -198,9 +198,8 @@ class GradReducer:
             self.shm = _shm_zero_copy(self.buckets, self.group)
             if self.shm is not None:
                 shm = self.shm
-                # "mean": the reduction divides this rank's chunk while it is in cache, instead of a
-                # separate pass over the whole bucket before it (see _launch)
-                self._p2p = lambda buf, _group, _alg: shm.all_reduce_inplace_slot(buf, "mean")
+                # a sum: the gradients were divided by the world size on their way into the bucket
+                self._p2p = lambda buf, _group, _alg: shm.all_reduce_inplace_slot(buf, "sum")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._reset()
 
@@ -232,24 +231,19 @@ class GradReducer:
                 self._next += 1
 
     def _launch(self, b: int) -> None:
-        """Copy the bucket's gradients (pre-divided by the world size as DDP does, except on the zero-copy
-        shm path, whose reduction takes the mean) and start its all-reduce."""
+        """Copy the bucket's gradients, divided by the world size as DDP does (the division rides on the
+        copy: ``torch.mul(..., out=)`` costs what ``copy_`` does), and start its all-reduce (a sum)."""
         bucket = self.buckets[b]
         buf = bucket.buffer
-        # pre-divided by the world size, as DDP does; the zero-copy shm reduction takes the mean itself
-        # (the used-flags then average too, and stay 0 only where no rank had a gradient)
-        scale = 1.0 / self.world_size if self.shm is None else 1.0
-        buf[bucket.numel :].fill_(1.0)  # used-flags; the rare missing gradient clears its own below
+        scale = 1.0 / self.world_size
+        buf[bucket.numel :].fill_(1.0)  # used-flags (summed; 0 only where no rank had a gradient)
         for slot, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
             view = buf[off : off + p.numel()]
             if p.grad is None:
                 view.zero_()
                 buf[bucket.numel + slot] = 0.0
             elif p.grad.data_ptr() == view.data_ptr():  # zero-copy: autograd accumulated into the bucket
-                if scale != 1.0:
-                    view.mul_(scale)
-            elif scale == 1.0:
-                view.copy_(p.grad.reshape(-1))
+                view.mul_(scale)
             else:
                 torch.mul(p.grad.reshape(-1), scale, out=view)
         if self._executor is None:
@@ -326,6 +320,7 @@ class BucketedDataParallel(Strategy):
     description = (
         "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with backward"
     )
+    replicated_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -119,6 +119,7 @@ class NativeDDP(Strategy):
     description = "torch DistributedDataParallel: replicated model, bucketed async gradient all-reduce"
     comm_algorithms = ("native", "shm")
     """``--comm-algorithm`` values: the reducer's own all-reduce, or the shared-memory comm hook."""
+    replicated_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -53,6 +53,10 @@ class Strategy:
     """Whether the tracker may follow modules too. A pipeline schedule runs each stage module once per
     micro-batch, forward and backward interleaved, which MemTracker's per-module bookkeeping refuses; there
     it tracks storages only (the global peak is the same bookkeeping either way)."""
+    replicated_gradients: ClassVar[bool] = False
+    """After backward every data-parallel rank holds the same whole gradients (``ddp``, ``dp``): the
+    non-finite check then reads only this rank's 1/``dp_size`` share of each, and the ranks combine their
+    verdicts (``paratrain.train.nonfinite``)."""
     required_axes: ClassVar[tuple[str, ...]] = ()
     """Mesh axes this strategy needs even at degree 1 (FSDP2 always shards over ``dp_shard``)."""
 

@@ -2,7 +2,8 @@
 
 A NaN or an infinity in the loss or in any gradient would otherwise be applied by the optimizer and
 spread into every parameter: the run would "finish" with NaN losses and exit 0. After backward and before
-``optimizer.step()``, every rank checks its loss and its local gradients (its shard, under ZeRO/FSDP/TP),
+``optimizer.step()``, every rank checks its loss and its local gradients (its shard, under ZeRO/FSDP/TP;
+its 1/N share of the gradients that data parallel has made the same on every rank),
 then one all-reduce of a per-rank flag vector tells every rank which ranks saw a non-finite value, so all
 ranks take the same decision at the same step, as with the stop agreement. ``--on-nonfinite skip`` skips
 the step instead (as a GradScaler does for fp16 overflow), up to ``train.max_nonfinite_skips`` times.
@@ -36,18 +37,41 @@ def first_nonfinite_gradient(model: nn.Module) -> str | None:
     return None
 
 
-def check_finite(model: nn.Module, loss: torch.Tensor, ctx: Context, check_grads: bool = True) -> list[int]:
-    """The ranks whose loss or gradients are not finite (empty: all finite). Collective on every rank."""
+def _finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every element of ``grads`` is finite: one sum per tensor (a sum is NaN or infinite iff an
+    element is, or iff it overflows, which is as fatal for the update), read once; 16-bit tensors are
+    summed in float32 so that a large sum of finite values does not overflow."""
+    sums = []
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        if g.is_complex():
+            g = torch.view_as_real(g)
+        sums.append(g.sum(dtype=torch.float32) if g.dtype in (torch.float16, torch.bfloat16) else g.sum())
+    return not sums or bool(torch.isfinite(torch.stack([x.double() for x in sums])).all())
+
+
+def _share(t: torch.Tensor, share: tuple[int, int] | None) -> torch.Tensor:
+    if share is None:
+        return t
+    index, count = share
+    return t.reshape(-1).tensor_split(count)[index]
+
+
+def check_finite(
+    model: nn.Module, loss: torch.Tensor, ctx: Context, check_grads: bool = True,
+    share: tuple[int, int] | None = None,
+) -> list[int]:  # fmt: skip
+    """The ranks whose loss or gradients are not finite (empty: all finite). Collective on every rank.
+
+    ``share=(index, count)``: the gradients are the same on ``count`` ranks (data parallel after its
+    all-reduce), and this rank reads only part ``index`` of each (``tensor_split`` of the flat gradient);
+    the all-reduce of the flags covers the rest, so the verdict is the same at 1/count of the reads.
+    """
     bad = not bool(torch.isfinite(loss).all())
     if not bad and check_grads:
-        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-        if grads:
-            # one fused pass: the sum of squares is NaN/inf iff some element is (or overflows, which is
-            # just as fatal for the update)
-            norms = (
-                torch._foreach_norm([g for g in grads if g.numel()]) if any(g.numel() for g in grads) else []
-            )
-            bad = bool(norms) and not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+        grads = [_share(_local(p.grad), share) for p in model.parameters() if p.grad is not None]
+        bad = not _finite(grads)
     if not ctx.distributed or ctx.world_size == 1:
         return [ctx.rank] if bad else []
     flags = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.device)

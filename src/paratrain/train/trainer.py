@@ -247,7 +247,8 @@ class Trainer:
         with record_function("paratrain.forward_backward"):
             loss = self.strategy.forward_backward(self.model, batch, self._loss, st.precision, t.grad_accum)
         # fp16: the GradScaler skips steps whose scaled gradients overflowed; only the loss is checked here
-        bad = check_finite(self.model, loss, self.ctx, check_grads=st.precision.scaler is None)
+        share = (self.strategy.dp_rank, self.strategy.dp_size) if self.strategy.replicated_gradients else None
+        bad = check_finite(self.model, loss, self.ctx, check_grads=st.precision.scaler is None, share=share)
         if bad:
             if t.on_nonfinite == "skip" and self.nonfinite_skips < t.max_nonfinite_skips:
                 self.nonfinite_skips += 1
