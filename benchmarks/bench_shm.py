@@ -309,7 +309,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--capacity", type=int, default=8 << 20, help="shm slot bytes (default 8 MiB)")
     parser.add_argument(
-        "--direct-block", type=int, default=DIRECT_BLOCK_BYTES, help="shm direct-path block bytes (512 KiB)"
+        "--direct-block", type=int, default=DIRECT_BLOCK_BYTES, help="shm direct-path block bytes, all peers together (1 MiB)"
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4KB,1MB,16MB, 3 iterations")
     parser.add_argument("--json", action="store_true", help="write the raw rows to --out and print them")

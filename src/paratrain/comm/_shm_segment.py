@@ -62,14 +62,17 @@ SMALL_BYTES = 64 << 10
 DIRECT_MIN_BYTES = 256 << 10
 """Tensors above this size take the direct path (cross-memory attach) when it is available; smaller ones
 go through the slots, where a call needs fewer barriers (see ``OVERSUBSCRIBED_DIRECT_MIN_BYTES``)."""
-OVERSUBSCRIBED_DIRECT_MIN_BYTES = 32 << 20
-"""The direct path's threshold when the group has more ranks than the host has cores: its extra DONE barrier
-then costs a context switch per rank, and 4 ranks on the 2-core development VM measured the slots faster
-up to 16 MB (direct 1.57x / 1.69x Gloo at 4 / 16 MB against the slots' 2.16x / 1.78x) and the direct path
-faster from 64 MB (2.04x against 1.91x; ``benchmarks/bench_shm.py``)."""
-DIRECT_BLOCK_BYTES = 512 << 10
-"""The direct reduction reads every rank's block of this size into a private (n, block) buffer that stays
-in cache, then reduces it."""
+OVERSUBSCRIBED_DIRECT_MIN_BYTES = 2 << 20
+"""The direct path's threshold when the group has more ranks than the host has cores. 4 ranks on the 2-core
+development VM measured the slots ahead at 1 MB (2.15x Gloo against the direct path's 1.98x) and the
+direct path ahead from 4 MB in one run (1.76x / 1.93x / 2.49x Gloo at 4 / 16 / 64 MB against the slots'
+1.56x / 1.59x / 1.93x), level to 16 MB in another (1.91x / 1.83x against 1.99x / 1.95x) and ahead at 64 MB
+(2.42x against 1.79x). (Before the direct all-reduce wrote its results into the peers it needed a third
+barrier, and this threshold was 32 MiB.)"""
+DIRECT_BLOCK_BYTES = 1 << 20
+"""The direct reduction reads the peers' blocks into a private buffer that stays in cache, then reduces
+them into this rank's block: the n−1 peer blocks take this many bytes together (1 MiB per peer at 2 ranks,
+341 KiB at 4: measured best at 2 ranks, 3.1x Gloo at 64 MB against 2.9x with 512 KiB blocks)."""
 IN_PLACE_BLOCK_BYTES = 1 << 20
 """The zero-copy all-reduce reduces a rank's chunk in place, this many bytes per torch op (the ``mean``'s
 division then finds the block in cache; measured faster than 256 KiB blocks through a private buffer and a

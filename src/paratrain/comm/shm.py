@@ -66,21 +66,22 @@ argument lets a fast rank copy in piece k+1 while slow ranks still read piece k 
 ranks). The zero-copy arena is the exception (the caller writes it at will after the call), so
 :meth:`all_reduce_inplace_slot` ends with a third barrier on ``DONE``.
 
-**Direct path** (cross-memory attach). Where the kernel allows it, tensors above ``direct_min_bytes``
-(256 KiB; 32 MiB when the group has more ranks than the host has cores) skip the slots: each rank publishes its tensor's address in its header line with ARRIVE, and
-the others copy straight out of its address space with ``process_vm_readv(2)`` (one kernel copy, as MPI
-implementations do on one host). all_reduce: rank r reads block by block every peer's chunk r into a
-private cache-sized buffer, combines it with its own chunk in place, and writes the reduced block back
-into every peer's chunk r with ``process_vm_writev(2)`` while it is in cache; then a ``DONE`` barrier
-(after it no peer reads or writes this rank's memory). Chunk r of every rank's tensor is touched by
-rank r alone, so no other barrier is needed. Per rank that is (n−1)/n·S read in, S/n reduced, (n−1)/n·S
-written out, against the slots' copy in (S), reduction and copy out (S). reduce_scatter and all_gather
-read the peers' inputs the same way; broadcast reads the root's tensor. It is decided once, collectively,
-when the communicator is created: every rank must want it (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not
-``0``), all must share one pid namespace, and each must read (and write back) a probe word of the next
-rank successfully. Same-user processes may read each other unless Yama's ``ptrace_scope`` forbids it; at
-scope 1 every rank allows its peers with ``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the
-slots are used). A peer that dies mid-call makes the read fail with ``ESRCH``, which names it.
+**Direct path** (cross-memory attach). Where the kernel allows it, tensors above ``direct_min_bytes`` (256
+KiB; 2 MiB when the group has more ranks than the host has cores) skip the slots: each rank publishes its
+tensor's address in its header line with ARRIVE, and the others copy straight out of its address space
+with ``process_vm_readv(2)`` (one kernel copy, as MPI implementations do on one host). all_reduce: rank r
+reads block by block every peer's chunk r into a private cache-sized buffer, combines it with its own
+chunk in place, and writes the reduced block back into every peer's chunk r with ``process_vm_writev(2)``
+while it is in cache; then a ``DONE`` barrier (after it no peer reads or writes this rank's memory). Chunk
+r of every rank's tensor is touched by rank r alone, so no other barrier is needed. Per rank that is
+(n−1)/n·S read in, S/n reduced, (n−1)/n·S written out, against the slots' copy in (S), reduction and copy
+out (S). reduce_scatter and all_gather read the peers' inputs the same way; broadcast reads the root's
+tensor. It is decided once, collectively, when the communicator is created: every rank must want it
+(``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``), all must share one pid namespace, and each must
+read (and write back) a probe word of the next rank successfully. Same-user processes may read each other
+unless Yama's ``ptrace_scope`` forbids it; at scope 1 every rank allows its peers with
+``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the slots are used). A peer that dies mid-call
+makes the read fail with ``ESRCH``, which names it.
 
 **Waiting.** A rank polls the flags it waits for: a few µs of pure spinning, then ``sched_yield`` for
 up to ``YIELD_S``, then it blocks in ``futex(FUTEX_WAIT)`` on the first late rank's flag word, and every
@@ -184,7 +185,8 @@ class ShmCommunicator(_Segment):
             pieces. The segment holds 2·(n+1) slots, plus the arenas.
         direct: use the direct path (``process_vm_readv``) where every rank can (decided collectively).
         direct_min_bytes: tensors above this size take the direct path; smaller ones the slots.
-        direct_block_bytes: block of the direct reduction (the private buffer holds n−1 of them).
+        direct_block_bytes: bytes of the peers' blocks together in the direct reduction's private buffer
+            (each peer's block is 1/(n−1) of it).
         timeout_s: how long a rank waits for a peer before raising (default: the group's timeout).
         arena_bytes: bytes of this rank's arena for :meth:`allocate` (0: none).
         small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
@@ -458,7 +460,7 @@ class ShmCommunicator(_Segment):
         from, while it is still in cache (the all-reduce)."""
         dtype, es, n, r = own.dtype, _esize(own.dtype), self.size, self.rank
         binary = pairwise(op, dtype)
-        block = max(1, self.direct_block_bytes // es)
+        block = max(1, self.direct_block_bytes // max(1, n - 1) // es)
         rows = self._scratch_rows(dtype, min(block, max(1, hi - lo)))
         peers = [j for j in range(n) if j != r]
         for s in range(lo, hi, block):
