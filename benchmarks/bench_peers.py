@@ -351,9 +351,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    load_before = os.getloadavg()
     res = _launch(args, args.world_size, args.runners, args.rounds)
     result: dict[str, Any] = {
-        "versions": _versions(), "cores": os.cpu_count(), "load_avg_before": os.getloadavg(),
+        "versions": _versions(), "cores": os.cpu_count(), "load_avg_before": load_before,
         "workload": {"model": f"MLP {D_IN}-{HIDDEN}x{LAYERS}-{CLASSES}", "params": 6_316_042,
                      "per_rank_batch": args.batch, "optimizer": "SGD momentum 0.9", "dtype": "fp32"},
         "spec": vars(args), "peers": summarize(res, args.batch), "errors": res["errors"], "raw": res,

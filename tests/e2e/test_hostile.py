@@ -47,6 +47,7 @@ def test_nonfinite_stops_every_rank_of_zero_copy_dp(tmp_path: Path) -> None:
                    "--nproc-per-node", "2", "--run-dir", str(tmp_path / "r"), cwd=tmp_path, check=False)  # fmt: skip
     assert proc.returncode != 0
     assert "non-finite loss or gradient at step" in proc.stderr, proc.stderr
+    assert "first non-finite parameter gradient: blocks." in proc.stderr, proc.stderr
     _no_traceback(proc.stderr)
     assert not (tmp_path / "r" / "summary.json").exists()
 

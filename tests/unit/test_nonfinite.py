@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from paratrain.runtime import Context
-from paratrain.train.nonfinite import _finite, check_finite
+from paratrain.train.nonfinite import _finite, check_finite, describe
 
 
 def _ctx() -> Context:
@@ -58,3 +58,14 @@ def test_a_share_reads_only_its_part_of_each_gradient() -> None:
     assert check_finite(m, loss, ctx, share=(0, 2)) == []  # another rank reads part 1
     assert check_finite(m, loss, ctx, share=(2, 3)) == [0]  # tensor_split(3): 7..9
     assert check_finite(m, torch.tensor(float("nan")), ctx, share=(0, 2)) == [0]  # the loss always counts
+
+
+def test_the_message_names_the_parameter_on_a_rank_whose_share_was_finite() -> None:
+    # under ddp/dp rank 0 may have checked the finite half of a gradient that every rank holds
+    g = torch.zeros(10)
+    g[8] = float("nan")
+    m, ctx = _model_with_grad(g), _ctx()
+    text = describe(5, [1], ctx, m, torch.tensor(0.5))
+    assert "at step 5 on rank 1" in text
+    assert "first non-finite parameter gradient: weight" in text
+    assert "this rank's loss" not in text

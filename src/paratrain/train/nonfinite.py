@@ -81,15 +81,16 @@ def check_finite(
 
 
 def describe(step: int, ranks: list[int], ctx: Context, model: nn.Module, loss: torch.Tensor) -> str:
-    """The error message: step, ranks, and (on a rank that saw it) the first non-finite gradient."""
+    """The error message: step, ranks, and the first non-finite gradient this rank holds, if any."""
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
     text = f"non-finite loss or gradient at step {step} on {who}"
-    if ctx.rank in ranks:
-        if not bool(torch.isfinite(loss).all()):
-            text += f" (this rank's loss is {float(loss)})"
-        name = first_nonfinite_gradient(model)
-        if name is not None:
-            text += f"; first non-finite parameter gradient: {name}"
+    if ctx.rank in ranks and not bool(torch.isfinite(loss).all()):
+        text += f" (this rank's loss is {float(loss)})"
+    # every rank looks (only on this error path): under ddp/dp a rank checked only its share of gradients
+    # that every rank holds, so a rank not named above may still find the parameter
+    name = first_nonfinite_gradient(model)
+    if name is not None:
+        text += f"; first non-finite parameter gradient: {name}"
     return (
         text + ". The run stopped before the optimizer step. Lower --lr, set --set optimizer.grad_clip=1.0, "
         "or --set train.on_nonfinite=skip to skip such steps."
