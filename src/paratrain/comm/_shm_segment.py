@@ -387,23 +387,23 @@ class _Segment:
     def _peer_read(self, j: int, dst: torch.Tensor, remote: int, what: tuple[str, int, int]) -> None:
         """Copy ``dst.numel()`` elements from address ``remote`` of rank j's process into ``dst``
         (contiguous) with ``process_vm_readv``; a failure names the rank."""
-        assert self._vm is not None
-        try:
-            self._vm.read(self._pids[j], dst.data_ptr(), remote, dst.numel() * dst.element_size())
-        except OSError as e:
-            raise RuntimeError(
-                f"{self._where(what)}: reading rank {self.peers.global_rank(j)}'s tensor failed ({e}); "
-                "the rank probably died"
-            ) from None
+        self._peer_copy(j, dst, remote, what, write=False)
 
     def _peer_write(self, j: int, src: torch.Tensor, remote: int, what: tuple[str, int, int]) -> None:
         """Copy the contiguous ``src`` to address ``remote`` of rank j's process (``process_vm_writev``)."""
+        self._peer_copy(j, src, remote, what, write=True)
+
+    def _peer_copy(
+        self, j: int, t: torch.Tensor, remote: int, what: tuple[str, int, int], write: bool
+    ) -> None:
         assert self._vm is not None
+        move = self._vm.write if write else self._vm.read
         try:
-            self._vm.write(self._pids[j], src.data_ptr(), remote, src.numel() * src.element_size())
+            move(self._pids[j], t.data_ptr(), remote, t.numel() * t.element_size())
         except OSError as e:
+            doing = "writing into" if write else "reading"
             raise RuntimeError(
-                f"{self._where(what)}: writing into rank {self.peers.global_rank(j)}'s tensor failed ({e}); "
+                f"{self._where(what)}: {doing} rank {self.peers.global_rank(j)}'s tensor failed ({e}); "
                 "the rank probably died"
             ) from None
 
