@@ -72,7 +72,9 @@ barrier, and this threshold was 32 MiB.)"""
 DIRECT_BLOCK_BYTES = 1 << 20
 """The direct reduction reads the peers' blocks into a private buffer that stays in cache, then reduces
 them into this rank's block: the n−1 peer blocks take this many bytes together (1 MiB per peer at 2 ranks,
-341 KiB at 4: measured best at 2 ranks, 3.1x Gloo at 64 MB against 2.9x with 512 KiB blocks)."""
+341 KiB at 4). ``benchmarks/bench_shm_block.py`` (``results/shm_direct_block.json``, 2 runs at 4/16/64 MB)
+measured 1 and 1.5 MiB level (3.1-3.5x Gloo at 2 ranks, 2.0-2.4x at 4), 768 KiB about as fast, and
+512 KiB behind (2.4-3.2x and 1.9-2.1x)."""
 IN_PLACE_BLOCK_BYTES = 1 << 20
 """The zero-copy all-reduce reduces a rank's chunk in place, this many bytes per torch op (the ``mean``'s
 division then finds the block in cache; measured faster than 256 KiB blocks through a private buffer and a
