@@ -6,7 +6,7 @@ the peers' blocks together (each is 1/(n−1) of it). For each world size and si
 all_reduce run once per iteration, interleaved, each call timed alone after a barrier (the slowest rank's
 time, the median over iterations); ``--runs`` repeats the whole thing in fresh process groups.
 
-    python benchmarks/bench_shm_block.py --json      # about 3 minutes; benchmarks/results/shm_direct_block.json
+    python benchmarks/bench_shm_block.py --json      # under a minute here; benchmarks/results/shm_block.json
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", type=Path, default=RESULTS / "shm_direct_block.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "shm_block.json")
     args = p.parse_args()
     spec = {
         "sizes": [int(s) << 20 for s in args.sizes_mb.split(",")],

@@ -63,22 +63,21 @@ DIRECT_MIN_BYTES = 256 << 10
 """Tensors above this size take the direct path (cross-memory attach) when it is available; smaller ones
 go through the slots, where a call needs fewer barriers (see ``OVERSUBSCRIBED_DIRECT_MIN_BYTES``)."""
 OVERSUBSCRIBED_DIRECT_MIN_BYTES = 2 << 20
-"""The direct path's threshold when the group has more ranks than the host has cores. 4 ranks on the 2-core
-development VM measured the slots ahead at 1 MB (2.15x Gloo against the direct path's 1.98x) and the
-direct path ahead from 4 MB in one run (1.76x / 1.93x / 2.49x Gloo at 4 / 16 / 64 MB against the slots'
-1.56x / 1.59x / 1.93x), level to 16 MB in another (1.91x / 1.83x against 1.99x / 1.95x) and ahead at 64 MB
-(2.42x against 1.79x). (Before the direct all-reduce wrote its results into the peers it needed a third
-barrier, and this threshold was 32 MiB.)"""
+"""The direct path's threshold when the group has more ranks than the host has cores. In the 4-rank sweep
+on the 2-core development VM (``benchmarks/bench_shm.py``, ``results/shm.json``) the direct path was level
+with the slots or ahead from 16 MB (1.94x against 1.87x Gloo at 16 MB, 2.39x against 1.84x at 64 MB,
+2.69x against 1.98x at 256 MB) and behind at 4 MB (2.39x against 2.72x), where runs disagree within their
+noise. (Before the direct all-reduce wrote its results into the peers it needed a third barrier, and this
+threshold was 32 MiB.)"""
 DIRECT_BLOCK_BYTES = 1 << 20
 """The direct reduction reads the peers' blocks into a private buffer that stays in cache, then reduces
 them into this rank's block: the n−1 peer blocks take this many bytes together (1 MiB per peer at 2 ranks,
-341 KiB at 4). ``benchmarks/bench_shm_block.py`` (``results/shm_direct_block.json``, 2 runs at 4/16/64 MB)
+341 KiB at 4). ``benchmarks/bench_shm_block.py`` (``results/shm_block.json``, 2 runs at 4/16/64 MB)
 measured 1 and 1.5 MiB level (3.1-3.5x Gloo at 2 ranks, 2.0-2.4x at 4), 768 KiB about as fast, and
 512 KiB behind (2.4-3.2x and 1.9-2.1x)."""
 IN_PLACE_BLOCK_BYTES = 1 << 20
-"""The zero-copy all-reduce reduces a rank's chunk in place, this many bytes per torch op (the ``mean``'s
-division then finds the block in cache; measured faster than 256 KiB blocks through a private buffer and a
-copy back, ``benchmarks/bench_shm.py``)."""
+"""The zero-copy all-reduce reduces a rank's chunk in place, this many bytes per torch op, so that the
+``mean``'s division finds the block still in cache."""
 
 _LINE_WORDS = 32  # 256 bytes of header per rank
 _ARRIVE, _REDUCED, _DONE, _STATUS, _PID, _START = 0, 1, 2, 3, 4, 5
