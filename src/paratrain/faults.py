@@ -67,7 +67,6 @@ def _launcher_gone() -> bool:
     return False
 
 
-
 class PeerMonitor:
     """Heartbeat counters in the c10d store; :meth:`lost` names the ranks that stopped."""
 

@@ -28,5 +28,9 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     (res,) = printed["results"]
     assert res["world_size"] == 4 and res["hop_s"] > 0
     cells = {(r["collective"], r["algorithm"]) for r in res["rows"]}
-    assert cells == {(c, a) for c in ("broadcast", "reduce", "all_reduce") for a in ("naive", "seed-star", "tree", "native")}
+    assert cells == {
+        (c, a)
+        for c in ("broadcast", "reduce", "all_reduce")
+        for a in ("naive", "seed-star", "tree", "native")
+    }
     assert all(r["synced_s"] > 0 and r["back_to_back_s"] > 0 for r in res["rows"])

@@ -73,7 +73,9 @@ def _plain_continuation(step_dir: Path, cfg_json: str, start: int) -> tuple[list
     data = build_dataset(cfg.data)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)  # checkpoint format 2: flattened optimizer state
+    flat = StateDictOptions(
+        flatten_optimizer_state_dict=True
+    )  # checkpoint format 2: flattened optimizer state
     msd, osd = get_state_dict(model, opt, options=flat)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)

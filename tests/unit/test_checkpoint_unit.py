@@ -260,7 +260,9 @@ def test_cli_prints_sbatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=3" in out and "train.py --x 1" in out
 
 
-def test_launch_config_standalone_is_loopback_and_multinode_needs_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_config_standalone_is_loopback_and_multinode_needs_endpoint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from paratrain.launch import LOOPBACK_BACKEND
     from paratrain.launch.agent import _elastic_config
 

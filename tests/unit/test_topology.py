@@ -74,12 +74,19 @@ def _cfg(**kw: object) -> StrategyConfig:
 
 def test_shard_size_must_divide_world_size() -> None:
     hsdp = get_strategy("hsdp")
-    with pytest.raises(ConfigError, match=r"--shard-size 3 does not divide the data-parallel size 4.*1, 2, 4"):
+    with pytest.raises(
+        ConfigError, match=r"--shard-size 3 does not divide the data-parallel size 4.*1, 2, 4"
+    ):
         check_strategy(hsdp, 4, _cfg(name="hsdp", shard_size=3))
     with pytest.raises(ConfigError, match="does not divide"):
         check_strategy(hsdp, 4, _cfg(name="hsdp", shard_size=8))
     check_strategy(hsdp, 8, _cfg(name="hsdp", shard_size=4))
-    assert hsdp.topology_for(8, _cfg(name="hsdp")).degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}
+    assert hsdp.topology_for(8, _cfg(name="hsdp")).degrees() == {
+        "pp": 1,
+        "dp_replicate": 2,
+        "dp_shard": 4,
+        "tp": 1,
+    }
 
 
 def test_hsdp_needs_two_ranks() -> None:
