@@ -150,6 +150,12 @@ def _check_config(c: shm.ShmCommunicator, group: Any, ranks: list[int], salt: in
             count += 1
             if not _same(c.all_gather(out, flat), gathered):
                 fail("all_gather (into tensor)", x)
+            inplace = torch.full_like(gathered, 7)  # the input is this rank's slice of the output
+            mine = inplace.view(n, -1)[c.rank] if flat.numel() else inplace[:0]
+            mine.copy_(flat)
+            count += 1
+            if not _same(c.all_gather(inplace, mine), gathered):
+                fail("all_gather (in place: input is the output's slice)", x)
             op = _ops(dtype)[j % len(_ops(dtype))]
             inp = _data((n * flat.numel(),), dtype, op, seed=77 + i + c.rank)
             want = _ref_all_reduce(inp, op, group, n).view(n, -1)[c.rank]

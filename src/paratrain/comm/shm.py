@@ -116,7 +116,7 @@ from __future__ import annotations
 
 import atexit
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -434,12 +434,17 @@ class ShmCommunicator(_Segment):
         by the call signature, which marks the direct path with root -2)."""
         return self.direct and t.device.type == "cpu" and t.numel() * _esize(t.dtype) > self.direct_min_bytes
 
-    def _begin_direct(self, function: str, sig: list[int], addr: int) -> tuple[int, tuple[str, int, int]]:
-        """Publish this rank's tensor address with ARRIVE, wait for every rank, compare the signatures."""
+    def _begin_direct(
+        self, function: str, sig: list[int], addr: int, meanwhile: Callable[[], Any] | None = None
+    ) -> tuple[int, tuple[str, int, int]]:
+        """Publish this rank's tensor address with ARRIVE, wait for every rank, compare the signatures.
+        ``meanwhile`` (work on this rank's own memory only) runs between the publish and the wait."""
         what = (function, 0, 1)
         k, _ = self._next()
         self._lines[self.rank, _ADDR] = addr
         self._publish(_ARRIVE, k, _with_seq(sig, k))
+        if meanwhile is not None:
+            meanwhile()
         self._wait(_ARRIVE, k, what)
         self._check_sig(k, _with_seq(sig, k))
         return k, what
@@ -519,14 +524,12 @@ class ShmCommunicator(_Segment):
     ) -> None:
         sig = _signature("all_gather", "", mine.dtype, out.numel(), -2, _bounds_hash(
             [b - a for a, b in bounds]), 1)  # fmt: skip
-        k, what = self._begin_direct("all_gather", sig, mine.data_ptr())
+        lo, hi = bounds[self.rank]
+        own = out[lo:hi]  # this rank's part is copied while the others arrive
+        k, what = self._begin_direct("all_gather", sig, mine.data_ptr(), lambda: own.copy_(mine))
         addrs = [int(a) for a in self._lines[:, _ADDR]]
         for j, (a, c) in enumerate(bounds):
-            if c <= a:
-                continue
-            if j == self.rank:
-                out[a:c].copy_(mine)
-            else:
+            if c > a and j != self.rank:
                 self._peer_read(j, out[a:c], addrs[j], what)
         self._end_direct(k, what)
 
