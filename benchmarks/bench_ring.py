@@ -14,10 +14,14 @@ iterations), in ``--runs`` separate process groups:
   of 4 / 8 receives).
 
 Also reported: CPU seconds per call summed over the ranks (``time.process_time``: every thread of a rank,
-Gloo's included), steadier than wall time on a loaded machine.
+Gloo's included), steadier than wall time on a loaded machine. With ``--back-to-back K`` each sample is
+K calls in a row after one barrier (time and CPU per call), so the barrier's exit skew does not land on
+every call.
 
     python benchmarks/bench_ring.py                  # 4 ranks, 16 and 64 MB, 3 runs (about 3-5 minutes)
     python benchmarks/bench_ring.py --json           # writes benchmarks/results/ring16.json
+    python benchmarks/bench_ring.py --json --sizes 16 --runs 5 --iters 15 --back-to-back 5 \
+        --out benchmarks/results/ring16_b2b.json       # 5 calls in a row per sample (nccl-tests' way)
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1 << 20
 
 
-def _worker(sizes: list[int], iters: int, warmup: int) -> dict[str, Any]:
+def _worker(sizes: list[int], iters: int, warmup: int, back_to_back: int = 1) -> dict[str, Any]:
     from paratrain.comm import ring
     from paratrain.comm._common import peers
 
@@ -64,10 +68,11 @@ def _worker(sizes: list[int], iters: int, warmup: int) -> dict[str, Any]:
             for k, call in calls.items():
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
-                call()
+                for _ in range(back_to_back):  # > 1: the barrier's exit skew spread over the calls
+                    call()
                 if it >= warmup:
-                    wall[k].append(time.perf_counter() - t0)
-                    cpu[k].append(time.process_time() - c0)
+                    wall[k].append((time.perf_counter() - t0) / back_to_back)
+                    cpu[k].append((time.process_time() - c0) / back_to_back)
         w = torch.tensor([wall[k] for k in calls], dtype=torch.float64)
         c = torch.tensor([cpu[k] for k in calls], dtype=torch.float64)
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
@@ -92,17 +97,24 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--back-to-back", type=int, default=1, metavar="K",
+        help="time K calls in a row per sample after one barrier (time per call; default 1: each call alone)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "ring16.json")
     args = ap.parse_args()
+    if args.back_to_back < 1 or args.runs < 1 or args.iters < 1:
+        raise SystemExit("--back-to-back, --runs and --iters must be at least 1")
     sizes = [int(s) * MB for s in args.sizes.split(",")]
     runs = []
     for r in range(args.runs):
+        load = os.getloadavg()[0]
         res = run_distributed(
-            _worker, args.ranks, args=(sizes, args.iters, args.warmup), timeout_s=1800,
+            _worker, args.ranks, args=(sizes, args.iters, args.warmup, args.back_to_back), timeout_s=1800,
             env={"OMP_NUM_THREADS": "1"},
         )[0]  # fmt: skip
-        runs.append({"load_avg": os.getloadavg()[0], "sizes": res})
+        runs.append({"load_avg_before": load, "load_avg": os.getloadavg()[0], "sizes": res})
         for s, row in res.items():
             print(
                 f"run {r + 1}, {int(s) // MB} MB: "
@@ -112,7 +124,10 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    result = {"ranks": args.ranks, "cores": os.cpu_count(), "iters": args.iters, "runs": runs}
+    result = {
+        "ranks": args.ranks, "cores": os.cpu_count(), "iters": args.iters, "back_to_back": args.back_to_back,
+        "runs": runs,
+    }  # fmt: skip
     if args.json:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -6,7 +6,9 @@ the kernel allows it, the slots below; ``shm-slots``: the slots only; ``native``
 ``ring`` = paratrain's pipelined ring; and for all_reduce ``shm-zero-copy``: the tensor lives in the
 segment's arena and is reduced where it lies, as dp's gradient buckets are). Each call is timed alone (a Gloo barrier,
 then the call); an iteration's time is the slowest rank's; the figure is the median over the iterations.
-Each row also has the CPU seconds of the call summed over the ranks (``time.process_time``, every thread
+With ``--back-to-back K`` a sample is K calls in a row after one barrier, and its time is the total over K
+(nccl-tests' method: the barrier's exit skew between the ranks, a property of Gloo's barrier and not of
+the collective, is spread over K calls instead of being added to each). Each row also has the CPU seconds of the call summed over the ranks (``time.process_time``, every thread
 of a rank: Gloo's own threads included), which on a loaded machine shows the work a call does more
 steadily than its wall time (the scheduler shares cores per thread, and Gloo uses several).
 
@@ -26,6 +28,8 @@ turned off) copies (n−1)/n·S in, adds S/n and copies (n−1)/n·S out: its li
     python benchmarks/bench_shm.py                        # the full sweep (about 7-10 minutes here)
     python benchmarks/bench_shm.py --quick                # smoke run: three sizes, few iterations
     python benchmarks/bench_shm.py --json --plot benchmarks/results/shm_busbw.png
+    python benchmarks/bench_shm.py --json --sizes 1KB..1MB --iters 41 --back-to-back 20 \
+        --algorithms shm,shm-slots,native --out benchmarks/results/shm_small_b2b.json
 
 ``--json`` writes every raw row to ``benchmarks/results/shm.json`` (``--out`` elsewhere) and prints it as
 one JSON line; the markdown tables go to stdout otherwise.
@@ -187,15 +191,17 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
             iters = spec["iters"] if size < spec["big_bytes"] else spec["big_iters"]
             times: dict[str, list[float]] = {a: [] for a in calls}
             cpu: dict[str, list[float]] = {a: [] for a in calls}
+            k = spec["back_to_back"]
             for it in range(spec["warmup"] + iters):
                 for alg, call in calls.items():  # interleaved: every algorithm sees the same machine state
                     dist.barrier()
                     t, c0 = time.perf_counter(), time.process_time()
-                    call()
-                    dt = time.perf_counter() - t
+                    for _ in range(k):  # k > 1: back to back, the barrier's exit skew spread over k calls
+                        call()
+                    dt = (time.perf_counter() - t) / k
                     if it >= spec["warmup"]:
                         times[alg].append(dt)
-                        cpu[alg].append(time.process_time() - c0)  # every thread of the rank (Gloo's too)
+                        cpu[alg].append((time.process_time() - c0) / k)  # every thread (Gloo's too)
             table = torch.tensor([times[a] for a in calls], dtype=torch.float64)
             dist.all_reduce(table, op=dist.ReduceOp.MAX)  # an iteration ends when its slowest rank does
             cpu_table = torch.tensor([cpu[a] for a in calls], dtype=torch.float64)
@@ -207,7 +213,7 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     "world_size": n, "collective": collective, "algorithm": alg, "bytes": nbytes,
                     "time_s": t, "min_s": min(per_iter), "max_s": max(per_iter), "iters": len(per_iter),
                     "busbw_GBps": busbw(collective, n, nbytes, t) / 1e9,
-                    "cpu_s_all_ranks": statistics.median(per_cpu),
+                    "cpu_s_all_ranks": statistics.median(per_cpu), "calls_per_sample": k,
                 })  # fmt: skip
     c.close()
     if slots is not None:
@@ -234,17 +240,22 @@ def direct_limit(membw: dict[str, float], n: int, cores: int) -> float:
 def tables(result: dict[str, Any]) -> str:
     out = []
     cores = result["machine"]["cores"]
-    for n in result["world_sizes"]:
+    runs = sorted({r.get("run", 0) for r in result["rows"]})
+    for run, n in ((run, n) for run in runs for n in result["world_sizes"]):
         limit = shm_limit(result["membw"], n, cores)
         for collective in result["collectives"]:
-            rows = [r for r in result["rows"] if r["world_size"] == n and r["collective"] == collective]
+            rows = [
+                r for r in result["rows"]
+                if r["world_size"] == n and r["collective"] == collective and r.get("run", 0) == run
+            ]  # fmt: skip
             if not rows:
                 continue
             algs = list(dict.fromkeys(r["algorithm"] for r in rows))
             by = {(r["algorithm"], r["bytes"]): r for r in rows}
             head = "| S | " + " | ".join(f"{a} ms (busbw GB/s)" for a in algs) + " | shm / native busbw |"
             lines = [
-                f"### {collective}, {n} ranks on {cores} cores",
+                f"### {collective}, {n} ranks on {cores} cores"
+                + (f", run {run + 1}" if len(runs) > 1 else ""),
                 "",
                 head,
                 "|" + "---|" * (len(algs) + 2),
@@ -277,7 +288,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, len(colls), figsize=(6 * len(colls), 4.4), squeeze=False)
     for ax, collective in zip(axes[0], colls, strict=True):
         for n in result["world_sizes"]:
-            rows = [r for r in result["rows"] if r["world_size"] == n and r["collective"] == collective]
+            rows = [
+                r
+                for r in result["rows"]
+                if r["world_size"] == n and r["collective"] == collective and r.get("run", 0) == 0
+            ]  # fmt: skip (the first run)
             for alg in dict.fromkeys(r["algorithm"] for r in rows):
                 pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["algorithm"] == alg)
                 style = "-" if n == min(result["world_sizes"]) else "--"
@@ -307,9 +322,18 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=15, help="timed iterations per size (median)")
     parser.add_argument("--big-iters", type=int, default=5, help="timed iterations at >= 32 MB")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=1, help="repeat the whole sweep in fresh process groups")
+    parser.add_argument(
+        "--back-to-back", type=int, default=1, metavar="K",
+        help="time K calls in a row per sample, after one barrier, and report the time per call "
+        "(nccl-tests' way; default 1: each call alone after its own barrier)",
+    )  # fmt: skip
     parser.add_argument("--capacity", type=int, default=8 << 20, help="shm slot bytes (default 8 MiB)")
     parser.add_argument(
-        "--direct-block", type=int, default=DIRECT_BLOCK_BYTES, help="shm direct-path block bytes, all peers together (1 MiB)"
+        "--direct-block",
+        type=int,
+        default=DIRECT_BLOCK_BYTES,
+        help="shm direct-path block bytes, all peers together (1 MiB)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4KB,1MB,16MB, 3 iterations")
     parser.add_argument("--json", action="store_true", help="write the raw rows to --out and print them")
@@ -325,6 +349,12 @@ def main() -> None:
     collectives = [x for x in args.collectives.split(",") if x]
     algorithms = [x for x in args.algorithms.split(",") if x]
     bad = [c for c in collectives if c not in COLLECTIVES] + [a for a in algorithms if a not in ALGORITHMS]
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be at least 1, got {args.runs}")
+    if args.back_to_back < 1:
+        raise SystemExit(
+            f"--back-to-back must be at least 1 (calls per timed sample), got {args.back_to_back}"
+        )
     if bad or "shm" not in algorithms or "native" not in algorithms:
         raise SystemExit(
             f"unknown or missing names {bad}; collectives {COLLECTIVES}, algorithms {ALGORITHMS} "
@@ -339,14 +369,18 @@ def main() -> None:
     spec = {
         "sizes": sizes, "collectives": collectives, "algorithms": algorithms, "iters": args.iters,
         "big_iters": args.big_iters, "big_bytes": 32 << 20, "warmup": args.warmup, "capacity": args.capacity,
-        "direct_block": args.direct_block,
+        "direct_block": args.direct_block, "back_to_back": args.back_to_back,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
     env = {"OMP_NUM_THREADS": "1"}
     load_before = os.getloadavg()
-    for n in world_sizes:
-        print(f"running {n} ranks ...", file=sys.stderr, flush=True)
-        rows += run_distributed(_worker, n, args=(spec,), timeout_s=7200, env=env)[0]
+    for run in range(args.runs):  # each run: fresh process groups and segments
+        for n in world_sizes:
+            print(f"run {run + 1}/{args.runs}: {n} ranks ...", file=sys.stderr, flush=True)
+            rows += [
+                {**row, "run": run}
+                for row in run_distributed(_worker, n, args=(spec,), timeout_s=7200, env=env)[0]
+            ]
     result = {
         "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "python": platform.python_version()},
