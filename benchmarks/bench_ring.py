@@ -2,9 +2,12 @@
 
 At 16 MB on 4 ranks a chunk (S/n) is 4 MiB, exactly one ``PIECE_BYTES`` piece: before ``MIN_PIPELINED_BYTES``
 the ring was not pipelined there (P = 1), each of its 2(n-1) = 6 steps waiting for a whole chunk; it now
-cuts such a chunk in two. The calls below take turns in every iteration (each after a barrier, timed
-alone; an iteration's time is the slowest rank's; a run's figure is the median over ``--iters``
-iterations), in ``--runs`` separate process groups:
+cuts such a chunk in two. The calls below take turns in every iteration, in an order that rotates by
+one each iteration (each after a barrier, timed alone; an iteration's time is the slowest rank's; a run's
+figure is the median over ``--iters`` iterations), in ``--runs`` separate process groups. The results
+stored before the rotation (``ring16_fixed_order.json``, ``ring16_b2b_fixed_order.json``,
+``ring16_b2b_fixed_order_kept_scratch.json``, ``ring16_previous.json``) ran a fixed order, ``ring``
+always right after ``native``:
 
 - ``native``: Gloo's own ``all_reduce``;
 - ``ring``: :func:`paratrain.comm.ring.all_reduce` as shipped (4 MiB pieces, at least 2 per chunk from
@@ -64,8 +67,11 @@ def _worker(sizes: list[int], iters: int, warmup: int, back_to_back: int = 1) ->
         }
         wall: dict[str, list[float]] = {k: [] for k in calls}
         cpu: dict[str, list[float]] = {k: [] for k in calls}
+        names = list(calls)
         for it in range(warmup + iters):
-            for k, call in calls.items():
+            # the order rotates every iteration, so that each variant runs in every position equally often
+            for k in names[it % len(names) :] + names[: it % len(names)]:
+                call = calls[k]
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(back_to_back):  # > 1: the barrier's exit skew spread over the calls
