@@ -1,16 +1,21 @@
 """Shared-memory collectives (``paratrain.comm.shm``) against Gloo and paratrain's ring, side by side.
 
 For 2 and 4 ranks on this host, for all_reduce, reduce_scatter and all_gather at 1 KB..256 MB (×4), every
-algorithm runs once per iteration, interleaved (``shm`` as shipped: the direct path above 256 KiB where
-the kernel allows it, the slots below; ``shm-slots``: the slots only; ``native`` = Gloo's own collective;
-``ring`` = paratrain's pipelined ring; and for all_reduce ``shm-zero-copy``: the tensor lives in the
-segment's arena and is reduced where it lies, as dp's gradient buckets are). Each call is timed alone (a Gloo barrier,
-then the call); an iteration's time is the slowest rank's; the figure is the median over the iterations.
-With ``--back-to-back K`` a sample is K calls in a row after one barrier, and its time is the total over K
-(nccl-tests' method: the barrier's exit skew between the ranks, a property of Gloo's barrier and not of
-the collective, is spread over K calls instead of being added to each). Each row also has the CPU seconds of the call summed over the ranks (``time.process_time``, every thread
-of a rank: Gloo's own threads included), which on a loaded machine shows the work a call does more
-steadily than its wall time (the scheduler shares cores per thread, and Gloo uses several).
+algorithm runs once per iteration, interleaved in an order that rotates by one every iteration (results
+stored before the rotation, the sweep ``shm.json`` and the ``*_fixed_order.json`` files, ran a fixed
+order). The algorithms: ``shm`` as shipped (the direct path above 256 KiB where the kernel allows it, the
+slots below); ``shm-slots``, the slots only; ``native``, Gloo's own collective; ``ring``, paratrain's
+pipelined ring; and for all_reduce ``shm-zero-copy``, where the tensor lives in the segment's arena and
+is reduced where it lies, as dp's gradient buckets are.
+
+Each call is timed alone (a Gloo barrier, then the call); an iteration's time is the slowest rank's; the
+figure is the median over the iterations. With ``--back-to-back K`` a sample is K calls in a row after one
+barrier, and its time is the total over K (nccl-tests' method: the barrier's exit skew between the ranks,
+a property of Gloo's barrier and not of the collective, is spread over K calls instead of being added to
+each). Each row also has the CPU seconds of the call summed over the ranks (``time.process_time``, every
+thread of a rank: Gloo's own threads included), which on a loaded machine shows the work a call does more
+steadily than its wall time (the scheduler shares cores per thread, and Gloo uses several). ``--runs R``
+repeats everything in fresh process groups (rows carry ``run``).
 
 busbw = algbw × 2(n−1)/n for all_reduce and × (n−1)/n for reduce_scatter / all_gather, S the tensor (the
 whole input of reduce_scatter, the whole output of all_gather): nccl-tests' definitions, from
@@ -192,8 +197,12 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
             times: dict[str, list[float]] = {a: [] for a in calls}
             cpu: dict[str, list[float]] = {a: [] for a in calls}
             k = spec["back_to_back"]
+            names = list(calls)
             for it in range(spec["warmup"] + iters):
-                for alg, call in calls.items():  # interleaved: every algorithm sees the same machine state
+                # interleaved, so every algorithm sees the same machine state, in an order that rotates
+                # every iteration, so each runs in every position equally often
+                for alg in names[it % len(names) :] + names[: it % len(names)]:
+                    call = calls[alg]
                     dist.barrier()
                     t, c0 = time.perf_counter(), time.process_time()
                     for _ in range(k):  # k > 1: back to back, the barrier's exit skew spread over k calls

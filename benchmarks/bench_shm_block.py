@@ -3,8 +3,10 @@
 The direct reduction reads the n−1 peers' blocks of a rank's chunk into a private buffer, reduces them into
 the rank's own block and writes the result back into the peers (``comm/shm.py``). ``direct_block_bytes`` is
 the peers' blocks together (each is 1/(n−1) of it). For each world size and size, every budget and Gloo's
-all_reduce run once per iteration, interleaved, each call timed alone after a barrier (the slowest rank's
-time, the median over iterations); ``--runs`` repeats the whole thing in fresh process groups.
+all_reduce run once per iteration, interleaved in an order that rotates by one every iteration (the stored
+``shm_block.json`` predates the rotation: fixed order, Gloo first), each call timed alone after a barrier
+(the slowest rank's time, the median over iterations); ``--runs`` repeats the whole thing in fresh process
+groups.
 
     python benchmarks/bench_shm_block.py --json      # under a minute here; benchmarks/results/shm_block.json
 """
@@ -38,8 +40,10 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         calls.update({str(b): (lambda c=c, x=x: c.all_reduce(x)) for b, c in comms.items()})
         times: dict[str, list[float]] = {k: [] for k in calls}
         iters = spec["iters"] if size < (32 << 20) else max(5, spec["iters"] // 2)
+        names = list(calls)
         for it in range(2 + iters):
-            for name, call in calls.items():
+            for name in names[it % len(names) :] + names[: it % len(names)]:  # rotating order
+                call = calls[name]
                 dist.barrier()
                 t = time.perf_counter()
                 call()
