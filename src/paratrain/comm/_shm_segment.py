@@ -63,12 +63,13 @@ DIRECT_MIN_BYTES = 256 << 10
 """Tensors above this size take the direct path (cross-memory attach) when it is available; smaller ones
 go through the slots, where a call needs fewer barriers (see ``OVERSUBSCRIBED_DIRECT_MIN_BYTES``)."""
 OVERSUBSCRIBED_DIRECT_MIN_BYTES = 2 << 20
-"""The direct path's threshold when the group has more ranks than the host has cores. In the 4-rank sweep
-on the 2-core development VM (``benchmarks/bench_shm.py``, ``results/shm.json``) the direct path was level
-with the slots or ahead from 16 MB (1.94x against 1.87x Gloo at 16 MB, 2.39x against 1.84x at 64 MB,
-2.69x against 1.98x at 256 MB) and behind at 4 MB (2.39x against 2.72x), where runs disagree within their
-noise. (Before the direct all-reduce wrote its results into the peers it needed a third barrier, and this
-threshold was 32 MiB.)"""
+"""The direct path's threshold when the group has more ranks than the host has cores. In the 4-rank sweeps
+on the 2-core development VM (``benchmarks/bench_shm.py``: ``results/shm.json`` and the earlier
+``results/shm_fixed_order.json``) the direct path was level with the slots from 4 MB to 16 MB (1.89x
+against 1.90x Gloo at 4 MB, 2.11x against 2.02x at 16 MB; 2.39x against 2.72x and 1.94x against 1.87x in
+the earlier sweep) and ahead from 64 MB (2.46x against 1.97x, 2.52x against 1.57x at 256 MB). (Before the
+direct all-reduce wrote its results into the peers it needed a third barrier, and this threshold was
+32 MiB.)"""
 DIRECT_BLOCK_BYTES = 1 << 20
 """The direct reduction reads the peers' blocks into a private buffer that stays in cache, then reduces
 them into this rank's block: the n−1 peer blocks take this many bytes together (1 MiB per peer at 2 ranks,
