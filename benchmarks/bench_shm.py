@@ -34,7 +34,7 @@ turned off) copies (n−1)/n·S in, adds S/n and copies (n−1)/n·S out: its li
     python benchmarks/bench_shm.py --quick                # smoke run: three sizes, few iterations
     python benchmarks/bench_shm.py --json --plot benchmarks/results/shm_busbw.png
     python benchmarks/bench_shm.py --json --sizes 1KB..1MB --iters 41 --back-to-back 20 \
-        --algorithms shm,shm-slots,native --out benchmarks/results/shm_small_b2b.json
+        --algorithms shm,shm-slots,shm-zero-copy,native --out benchmarks/results/shm_small_b2b.json
 
 ``--json`` writes every raw row to ``benchmarks/results/shm.json`` (``--out`` elsewhere) and prints it as
 one JSON line; the markdown tables go to stdout otherwise.
