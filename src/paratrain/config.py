@@ -196,7 +196,8 @@ class StrategyConfig:
     """``ddp``: look for parameters that got no gradient. Off by default: it costs a graph walk per step."""
     comm_algorithm: str = option("native", choices=COMM_ALGORITHMS)
     """Collectives of the gradient sync: ``native`` (the backend's own) or one of paratrain's algorithms
-    (``dp``: any; ``ddp``: ``native`` or ``shm`` (a DDP comm hook); ``zero1``/``zero2``: ``native`` or ``shm``)."""
+    (``dp``: any; ``ddp``: ``native`` or ``shm`` (a DDP comm hook); ``zero1``/``zero2``: ``native`` or ``shm``;
+    the others: ``native`` only)."""
     shard_size: int | None = option(None)
     """``hsdp``: ranks per shard group (sharded within a group, replicated across groups); must divide the
     world size. Default: half the world size. Same as ``--dp-shard`` for ``hsdp``."""

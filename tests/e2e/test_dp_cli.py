@@ -72,6 +72,10 @@ def test_mnist_and_sync_batchnorm_warning(tmp_path: Path) -> None:
         (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a CUDA GPU"),
         (["--batch-size", "20", "--grad-accum", "3"], "--grad-accum 3 does not divide the per-rank batch 10"),
         (["--strategy", "dp", "--comm-algorithm", "rign"], "invalid choice: 'rign'"),
+        (  # a strategy that would ignore the algorithm refuses it instead
+            ["--nproc-per-node", "2", "--strategy", "zero3", "--comm-algorithm", "shm"],
+            "strategy zero3: --comm-algorithm 'shm' is not available; zero3 takes 'native'",
+        ),
         (
             ["--model", "resnet", "--data", "cifar10"],
             "dataset 'cifar10' needs a directory: write --data cifar10:DIR",

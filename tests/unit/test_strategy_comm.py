@@ -3,6 +3,8 @@ and the ``shm`` algorithm's registration in ``comm``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from paratrain.config import COMM_ALGORITHMS, StrategyConfig
@@ -19,6 +21,22 @@ def test_ddp_and_zero_take_native_and_shm_only(name: str) -> None:
         with pytest.raises(ConfigError, match=f"--comm-algorithm '{alg}' is not available") as e:
             cls.check(2, StrategyConfig(name=name, comm_algorithm=alg))
         assert "'shm'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["single", "zero3", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "fsdp+pp", "fsdp+tp+pp"]
+)
+def test_other_strategies_refuse_every_algorithm_but_native(name: str) -> None:
+    cls = get_strategy(name)
+    assert cls.comm_algorithms == ("native",)
+    for alg in set(COMM_ALGORITHMS) - {"native"}:
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{cls.name}: --comm-algorithm '{alg}' is not available")
+        ) as e:
+            cls.check_comm_algorithm(alg)
+        takers = {n for n in ("ddp", "dp", "zero1", "zero2") if alg in get_strategy(n).comm_algorithms}
+        assert f"Strategies that take '{alg}': {', '.join(sorted(takers))}." in str(e.value)
+    cls.check_comm_algorithm("native")
 
 
 def test_dp_takes_every_algorithm() -> None:

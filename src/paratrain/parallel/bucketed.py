@@ -56,8 +56,7 @@ from torch import nn
 
 from paratrain import comm
 from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
-from paratrain.config import COMM_ALGORITHMS, StrategyConfig
-from paratrain.errors import ConfigError
+from paratrain.config import COMM_ALGORITHMS
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
 
@@ -320,19 +319,12 @@ class BucketedDataParallel(Strategy):
     description = (
         "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with backward"
     )
+    comm_algorithms = COMM_ALGORITHMS  # every one of paratrain's algorithms, and the backend's
     replicated_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reducer: GradReducer | None = None
-
-    @classmethod
-    def check(cls, world_size: int, config: StrategyConfig) -> None:
-        super().check(world_size, config)
-        if config.comm_algorithm not in COMM_ALGORITHMS:
-            raise ConfigError(
-                f"strategy dp: unknown --comm-algorithm {config.comm_algorithm!r}. Choose one of: {', '.join(COMM_ALGORITHMS)}."
-            )
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = model.to(self.ctx.device)

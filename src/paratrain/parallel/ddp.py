@@ -36,8 +36,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
-from paratrain.config import StrategyConfig
-from paratrain.errors import ConfigError
 from paratrain.parallel.layers import SyncBatchNorm
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
@@ -118,22 +116,14 @@ class _DDP(DDP):
 class NativeDDP(Strategy):
     description = "torch DistributedDataParallel: replicated model, bucketed async gradient all-reduce"
     comm_algorithms = ("native", "shm")
-    """``--comm-algorithm`` values: the reducer's own all-reduce, or the shared-memory comm hook."""
+    comm_algorithms_help = (
+        "'native': torch's reducer all-reduces each bucket; 'shm': a comm hook through shared memory"
+    )
     replicated_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hook_state: ShmHookState | None = None
-
-    @classmethod
-    def check(cls, world_size: int, config: StrategyConfig) -> None:
-        super().check(world_size, config)
-        if config.comm_algorithm not in cls.comm_algorithms:
-            raise ConfigError(
-                f"strategy ddp: --comm-algorithm {config.comm_algorithm!r} is not available; ddp takes "
-                "'native' (torch's reducer all-reduces each bucket) or 'shm' (a comm hook through shared "
-                f"memory). For {config.comm_algorithm!r} use --strategy dp, paratrain's own data parallel."
-            )
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         # The model must live on its device *before* wrapping: DDP registers hooks on these parameters and

@@ -50,6 +50,12 @@ def get_strategy(name: str) -> type[Strategy]:
     return _REGISTRY[name]
 
 
+def strategies_taking(algorithm: str) -> list[str]:
+    """The registered strategies whose ``--comm-algorithm`` may be ``algorithm``, sorted."""
+    _load_builtin()
+    return sorted(n for n, c in _REGISTRY.items() if algorithm in c.comm_algorithms)
+
+
 def check_strategy(cls: type[Strategy], world_size: int, config: StrategyConfig) -> None:
     """Options every strategy must refuse unless it declares support, then the strategy's own ``check``."""
     if config.offload and not cls.supports_offload:

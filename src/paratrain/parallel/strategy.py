@@ -59,6 +59,11 @@ class Strategy:
     verdicts (``paratrain.train.nonfinite``)."""
     required_axes: ClassVar[tuple[str, ...]] = ()
     """Mesh axes this strategy needs even at degree 1 (FSDP2 always shards over ``dp_shard``)."""
+    comm_algorithms: ClassVar[tuple[str, ...]] = ("native",)
+    """``--comm-algorithm`` values this strategy implements; any other is refused by :meth:`check` (the
+    backend's own collectives, ``native``, unless a strategy widens it)."""
+    comm_algorithms_help: ClassVar[str] = ""
+    """What each of :attr:`comm_algorithms` means for this strategy (part of the refusal's message)."""
 
     def __init__(
         self,
@@ -112,6 +117,22 @@ class Strategy:
         """Raise :class:`ConfigError` when this strategy cannot run with ``world_size`` and ``config``."""
         topo = cls.topology_for(world_size, config)
         cls.check_topology(topo, config)
+        cls.check_comm_algorithm(config.comm_algorithm)
+
+    @classmethod
+    def check_comm_algorithm(cls, algorithm: str) -> None:
+        """Refuse a ``--comm-algorithm`` this strategy does not implement, instead of ignoring it."""
+        if algorithm in cls.comm_algorithms:
+            return
+        from paratrain.parallel.registry import strategies_taking  # the registry imports this module
+
+        takes = " or ".join(repr(a) for a in cls.comm_algorithms)
+        able = strategies_taking(algorithm)
+        where = f"Strategies that take {algorithm!r}: {', '.join(able)}." if able else "No strategy takes it."
+        raise ConfigError(
+            f"strategy {cls.name}: --comm-algorithm {algorithm!r} is not available; {cls.name} takes {takes}"
+            f"{' (' + cls.comm_algorithms_help + ')' if cls.comm_algorithms_help else ''}. {where}"
+        )
 
     @classmethod
     def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:

@@ -295,6 +295,10 @@ class _ZeroStage(Strategy):
     """Shared by ``zero1`` and ``zero2``: replicated parameters, :class:`ShardedOptimizer`."""
 
     shard_gradients = False
+    comm_algorithms = ("native", "shm")
+    comm_algorithms_help = (
+        "'native': the backend's reduce-scatter and all-gather; 'shm': through shared memory"
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -303,16 +307,6 @@ class _ZeroStage(Strategy):
     @classmethod
     def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
         return 1, dp  # every data-parallel rank owns 1/dp of the optimizer state
-
-    @classmethod
-    def check(cls, world_size: int, config: StrategyConfig) -> None:
-        super().check(world_size, config)
-        if config.comm_algorithm not in ("native", "shm"):
-            raise ConfigError(
-                f"strategy {cls.name}: --comm-algorithm {config.comm_algorithm!r} is not available; "
-                f"{cls.name} takes 'native' (the backend's reduce-scatter and all-gather) or 'shm' (through "
-                "shared memory, the ranks of one host)."
-            )
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = model.to(self.ctx.device)
