@@ -97,7 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--collectives", default="all_reduce", help=f"comma list of {', '.join(COLLECTIVES)}, or all"
     )
     parser.add_argument(
-        "--algorithms", default="all", help="comma list of native, naive, tree, ring, rhd, or all"
+        "--algorithms",
+        default="all",
+        help="comma list of native, naive, tree, ring, rhd, shm, or all (each collective runs those it has)",
     )
     parser.add_argument(
         "--sizes", default="1KB..16MB", help=f"message sizes S ({_SIZES_HELP}); default 1KB..16MB"

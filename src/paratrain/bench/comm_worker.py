@@ -1,13 +1,15 @@
-"""One rank of ``paratrain bench comm``: ``python -m paratrain.comm.bench_worker SPEC.json OUT.json``.
+"""One rank of ``paratrain bench comm``: ``python -m paratrain.bench.comm_worker SPEC.json OUT.json``.
 
-The parent (:mod:`paratrain.comm.bench`) validates the arguments, writes SPEC.json and starts N of these
+The parent (:mod:`paratrain.bench.comm`) validates the arguments, writes SPEC.json and starts N of these
 under the torch elastic agent. Each rank:
 
 1. calibrates the α–β–γ model (:func:`calibrate`): α from an 8-byte ping-pong, β from a 4 MiB ring shift
    with every rank sending at once, γ from a local ``add_``;
 2. for every collective and size, runs ``warmup`` untimed then ``iters`` timed iterations, with the
    algorithms *interleaved* (iteration i runs every algorithm once), so slow phases of a noisy machine
-   hit all algorithms alike and the ratios between them stay fair;
+   hit all algorithms alike and the ratios between them stay fair, in an order that rotates by one every
+   iteration, so each algorithm runs in every position equally often (in a fixed order one algorithm
+   always runs right after another's call, and its position cannot be told apart from its speed);
 3. times each call alone: barrier, start, call, wait (CUDA events on the current stream on a GPU, a
    host clock on CPU), and takes, per iteration, the slowest rank's time (a collective is done when
    its last rank is), then the median over iterations.
@@ -163,9 +165,10 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
             calls = {alg: make_call(collective, alg, x, op) for alg in algorithms}
             times: dict[str, list[float]] = {alg: [] for alg in algorithms}
             for it in range(spec["warmup"] + spec["iters"]):
-                for alg, call in calls.items():  # interleaved: every algorithm sees the same machine state
+                # interleaved (every algorithm sees the same machine state), in a rotating order
+                for alg in algorithms[it % len(algorithms) :] + algorithms[: it % len(algorithms)]:
                     ctx.barrier()
-                    t = timer(call)
+                    t = timer(calls[alg])
                     if it >= spec["warmup"]:
                         times[alg].append(t)
             # Per iteration, the slowest rank's time (a collective ends when its last rank does).
