@@ -1,5 +1,6 @@
-"""The shared-memory transport as a user runs it: a killed rank in a ``dp`` + ``shm`` training run, and
-the hierarchical all-reduce across two agents on loopback acting as two nodes."""
+"""The shared-memory transport as a user runs it: a killed rank in a ``dp`` + ``shm`` training run, the
+hierarchical all-reduce across two agents on loopback acting as two nodes, and ``paratrain train`` with
+``--comm-algorithm shm`` on those two nodes."""
 
 from __future__ import annotations
 
@@ -107,3 +108,41 @@ def test_hierarchical_all_reduce_across_two_agents_on_loopback(tmp_path: Path) -
         base = r["rank"] - r["rank"] % 2
         assert r["groups"] == [[base, base + 1], [r["rank"] % 2, r["rank"] % 2 + 2]]
         assert r["bad"] == [] and r["count"] == 101
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "dp"])
+def test_shm_training_on_two_agents_runs_the_hierarchical_all_reduce(tmp_path: Path, strategy: str) -> None:
+    """``paratrain train --nnodes 2 ... --comm-algorithm shm`` as a user runs it on two nodes (two agents on
+    loopback, one shared run directory): shm inside each node, Gloo between; the losses match the same run
+    with the backend's own all-reduce."""
+    port = free_port()
+    common = ["--steps", "6", "--batch-size", "32", "--strategy", strategy, "--json"]
+
+    def agent(node: int, run_dir: str, algorithm: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                sys.executable, "-m", "paratrain", "train", "--nnodes", "2", "--node-rank", str(node),
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"e2e-{run_dir}", "--nproc-per-node", "2",
+                *common, "--comm-algorithm", algorithm, "--run-dir", run_dir,
+            ],
+            cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    summaries = {}
+    for algorithm in ("shm", "native"):
+        procs = [agent(0, f"run-{algorithm}", algorithm), agent(1, f"run-{algorithm}", algorithm)]
+        outs = [p.communicate(timeout=140) for p in procs]
+        for p, (_out, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, err
+        summaries[algorithm] = json.loads([ln for ln in outs[0][0].splitlines() if ln.startswith("{")][-1])
+        if algorithm == "shm":
+            assert (
+                f"{strategy} --comm-algorithm shm: hierarchical all-reduce over 2 nodes of 2 ranks"
+                in outs[0][1]
+            )
+    shm, native = summaries["shm"], summaries["native"]
+    assert shm["world_size"] == native["world_size"] == 4 and len(shm["losses"]) == 6
+    assert shm["losses"] == pytest.approx(native["losses"], rel=1e-5, abs=1e-6)
+    assert [n for n in os.listdir("/dev/shm") if n.startswith("paratrain-shm")] == []

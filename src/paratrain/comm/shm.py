@@ -149,7 +149,12 @@ from paratrain.comm._shm_segment import (
     _Segment,
 )
 from paratrain.comm._shm_sys import SEGMENT_PREFIX
-from paratrain.comm.shm_hier import hierarchical_all_reduce, make_hierarchical_groups
+from paratrain.comm.shm_hier import (
+    HierarchicalAllReduce,
+    hierarchical_all_reduce,
+    make_hierarchical_groups,
+    node_groups,
+)
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
@@ -157,6 +162,7 @@ __all__ = [
     "OPS",
     "SEGMENT_PREFIX",
     "SMALL_BYTES",
+    "HierarchicalAllReduce",
     "ShmCommunicator",
     "all_gather",
     "all_reduce",
@@ -167,6 +173,7 @@ __all__ = [
     "hierarchical_all_reduce",
     "make_hierarchical_groups",
     "native_op",
+    "node_groups",
     "normalize_op",
     "reduce",
     "reduce_scatter",

@@ -3,6 +3,10 @@
     intra, inter = make_hierarchical_groups()          # collective, once (LOCAL_WORLD_SIZE ranks per node)
     hierarchical_all_reduce(grad, "mean", intra, inter)
 
+    groups = node_groups(group)                        # collective: None when the group is on one node
+    ar = HierarchicalAllReduce(*groups)                # what training uses (ddp's hook, dp's buckets)
+    ar.all_reduce(grad, "mean")
+
 Schedule of one call, on every rank: (1) shm reduce-scatter of the flat tensor among the node's ranks
 (``intra``), each rank ending with the node's sum of one ``tensor_split`` chunk; (2) a native
 ``dist.all_reduce`` of that chunk among the ranks with the same local index on every node (``inter``,
@@ -20,6 +24,78 @@ import torch.distributed as dist
 
 from paratrain.comm._common import chunk_bounds
 from paratrain.comm._shm_ops import check_op, native_op, normalize_op
+from paratrain.comm._shm_sys import _host_info
+
+
+def node_key() -> str:
+    """What makes this process's node: its host (name and kernel boot id) and, under torchrun or
+    ``paratrain launch``, its agent (``GROUP_RANK``), so two agents on one host count as two nodes."""
+    info = _host_info()
+    return f"{info['host']}/{info['boot']}/{os.environ.get('GROUP_RANK', '')}"
+
+
+def node_groups(group: Any = None) -> tuple[Any, Any] | None:
+    """``(intra, inter)`` groups for :func:`hierarchical_all_reduce` when the ranks of ``group`` are on
+    several nodes (:func:`node_key`), ``None`` when they are all on one. Collective over the *default*
+    group (it gathers every rank's node and creates groups): every rank of the job calls it, in the same
+    order. The nodes must hold the same number of the group's ranks, numbered node by node (torchrun's
+    order); otherwise ``ValueError`` naming the layout."""
+    if not dist.is_initialized():
+        return None
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, node_key())
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(keys)))
+    nodes = list(dict.fromkeys(keys[g] for g in ranks))
+    if len(nodes) == 1:
+        return None
+    local = len(ranks) // len(nodes)
+    expected = [nodes[i // local] for i in range(len(ranks))] if len(ranks) % len(nodes) == 0 else None
+    if expected != [keys[g] for g in ranks]:
+        layout = "; ".join(
+            f"node {i}: ranks {[g for g in ranks if keys[g] == k]}" for i, k in enumerate(nodes)
+        )
+        raise ValueError(
+            f"shm across nodes: the hierarchical all-reduce needs the same number of ranks on every node, "
+            f"numbered node by node (as torchrun numbers them), but the group's ranks are laid out as "
+            f"{layout}. Launch the same --nproc-per-node on every node, or use --comm-algorithm native."
+        )
+    intra, _ = dist.new_subgroups_by_enumeration(
+        [[ranks[i * local + j] for j in range(local)] for i in range(len(nodes))]
+    )
+    inter, _ = dist.new_subgroups_by_enumeration(
+        [[ranks[i * local + j] for i in range(len(nodes))] for j in range(local)]
+    )
+    return intra, inter
+
+
+class HierarchicalAllReduce:
+    """An all-reduce over several nodes with :class:`~paratrain.comm.shm.ShmCommunicator`'s interface
+    (``all_reduce``, ``size``, ``close``): shm inside the node through a communicator of its own over
+    ``intra_group`` (created here: collective over the node), the native backend over ``inter_group``."""
+
+    def __init__(self, intra_group: Any, inter_group: Any, **shm_kwargs: Any) -> None:
+        from paratrain.comm.shm import ShmCommunicator  # shm re-exports this module: import at call time
+
+        self.intra = ShmCommunicator(intra_group, **shm_kwargs)
+        self.inter = inter_group
+        self.nodes = dist.get_world_size(inter_group)
+        self.size = self.intra.size * self.nodes
+
+    @torch.no_grad()
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        return hierarchical_all_reduce(tensor, op, self.intra, self.inter)
+
+    def describe(self) -> str:
+        return (
+            f"hierarchical all-reduce over {self.nodes} nodes of {self.intra.size} ranks (shm inside each "
+            "node, the backend's all-reduce between them)"
+        )
+
+    def close(self) -> None:
+        self.intra.close()
+
+    def __repr__(self) -> str:
+        return f"HierarchicalAllReduce(size={self.size}, nodes={self.nodes})"
 
 
 def make_hierarchical_groups(local_size: int | None = None) -> tuple[Any, Any]:
@@ -47,18 +123,19 @@ def make_hierarchical_groups(local_size: int | None = None) -> tuple[Any, Any]:
 def hierarchical_all_reduce(
     tensor: torch.Tensor, op: Any = "sum", intra_group: Any = None, inter_group: Any = None
 ) -> torch.Tensor:
-    """All-reduce over ``intra × inter`` (in place): shm reduce-scatter inside the node, a native
-    all-reduce of this rank's chunk among the ranks with the same local index (``inter_group``, one per
-    node), shm all-gather inside the node. Each byte crosses the network once per node, not once per rank.
+    """All-reduce over ``intra × inter`` (in place): shm reduce-scatter inside the node (``intra_group``: a
+    group, whose cached communicator is used, or a communicator), a native all-reduce of this rank's
+    chunk among the ranks with the same local index (``inter_group``, one per node), shm all-gather
+    inside the node. Each byte crosses the network once per node, not once per rank.
 
     The chunks are ``torch.tensor_split`` parts of the flat tensor over the node's ranks, so every rank
     of ``inter_group`` holds a chunk of the same length (the nodes have the same size).
     """
     op = normalize_op(op)
     check_op("shm hierarchical_all_reduce", op, tensor.dtype)
-    from paratrain.comm.shm import get_communicator  # shm re-exports this module: import at call time
+    from paratrain.comm.shm import ShmCommunicator, get_communicator  # shm re-exports this module
 
-    intra = get_communicator(intra_group)
+    intra = intra_group if isinstance(intra_group, ShmCommunicator) else get_communicator(intra_group)
     inter_size = dist.get_world_size(inter_group) if dist.is_initialized() else 1
     if tensor.numel() == 0 or intra.size * inter_size == 1:
         return tensor

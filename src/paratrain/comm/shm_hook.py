@@ -19,6 +19,9 @@ the futures at the end of backward. With ``background=False`` the all-reduce run
 
 The state owns its communicator (a segment of its own), so nothing else issues collectives on it
 concurrently; create the state on every rank of the group, in the same order (creation is collective).
+A group that spans several nodes takes ``ShmHookState(HierarchicalAllReduce(*node_groups(group)))``:
+shm inside each node, the native backend between them (what ``paratrain train --strategy ddp
+--comm-algorithm shm`` does on several nodes).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's annotations
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator, get_communicator
+from paratrain.comm.shm_hier import HierarchicalAllReduce
 
 __all__ = ["ShmHookState", "shm_allreduce_hook"]
 
@@ -40,8 +44,9 @@ __all__ = ["ShmHookState", "shm_allreduce_hook"]
 class ShmHookState:
     """The hook's state: the shared-memory communicator of the DDP group and its worker thread."""
 
-    comm: ShmCommunicator
-    """Communicator over the DDP process group (one host)."""
+    comm: ShmCommunicator | HierarchicalAllReduce
+    """Communicator over the DDP process group: one host's segment, or shm inside each node and the
+    native backend between nodes (:class:`~paratrain.comm.shm_hier.HierarchicalAllReduce`)."""
     background: bool = True
     """Run the all-reduces on a worker thread (overlapping backward) instead of inside the hook."""
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)

@@ -27,6 +27,8 @@ Communication schedule of one optimizer step, on every rank:
    arena of the buckets' bytes per rank in ``/dev/shm`` (N ranks: N times the gradients); when that
    would take more than half of the free space of ``/dev/shm`` (or the tensors are on a GPU), the buckets
    stay ordinary tensors and are copied through the segment's slots (``comm.all_reduce(..., "shm")``).
+   On several nodes ``shm`` is the hierarchical all-reduce (shm inside each node, the backend's
+   all-reduce between them: :class:`~paratrain.comm.shm_hier.HierarchicalAllReduce`), copying.
 4. end of backward (an autograd-engine callback, so ``loss.backward()`` returns with synchronised
    gradients, as with DDP): buckets not launched yet (they hold a parameter that got no gradient in this
    backward) are launched with zeros in its place; then we **wait** for every bucket, and copy the
@@ -56,9 +58,11 @@ from torch import nn
 
 from paratrain import comm
 from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
+from paratrain.comm.shm_hier import HierarchicalAllReduce, node_groups
 from paratrain.config import COMM_ALGORITHMS
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
+from paratrain.runtime import get_logger
 
 FIRST_BUCKET_BYTES = 1 << 20
 """Cap of the first bucket (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``): the last layers' gradients, ready first."""
@@ -193,7 +197,14 @@ class GradReducer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-dp")
         self.shm: ShmCommunicator | None = None
         """``shm`` zero-copy path: the communicator whose arena holds the buckets (``None``: copying)."""
-        if algorithm == "shm" and zero_copy:
+        self.hierarchical: HierarchicalAllReduce | None = None
+        """``shm`` over several nodes: shm inside each node, the backend between them (no zero-copy)."""
+        nodes = node_groups(self.group) if algorithm == "shm" else None  # collective
+        if nodes is not None:
+            hier = self.hierarchical = HierarchicalAllReduce(*nodes)
+            get_logger().info("dp --comm-algorithm shm: %s", hier.describe())
+            self._p2p = lambda buf, _group, _alg: hier.all_reduce(buf, "sum")
+        elif algorithm == "shm" and zero_copy:
             self.shm = _shm_zero_copy(self.buckets, self.group)
             if self.shm is not None:
                 shm = self.shm
@@ -295,6 +306,8 @@ class GradReducer:
             self._executor.shutdown(wait=True)
         if self.shm is not None:
             self.shm.close()  # gradients that still view the arena keep the mapping alive
+        if self.hierarchical is not None:
+            self.hierarchical.close()
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None, params: bool = True) -> None:

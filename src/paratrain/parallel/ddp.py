@@ -19,8 +19,10 @@ Configuration, and why:
   but each bucket's all-reduce goes through one shared-memory segment of the ranks of this host, on a
   worker thread of the hook's state, instead of Gloo's TCP loopback. The gradients then alias the buckets
   (``gradient_as_bucket_view`` on): the hook's all-reduce reads the peers' buckets where they lie, so
-  copying every gradient into its bucket and back would be the only copies left. Other algorithms are
-  refused (they are ``dp``'s; torch's reducer only takes a hook).
+  copying every gradient into its bucket and back would be the only copies left. On several nodes the
+  hook runs the hierarchical all-reduce: shm inside each node, the backend's all-reduce between them
+  (:class:`paratrain.comm.shm_hier.HierarchicalAllReduce`). Other algorithms are refused (they are
+  ``dp``'s; torch's reducer only takes a hook).
 
 Reference: https://pytorch.org/docs/stable/notes/ddp.html
 """
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from paratrain.comm.shm_hier import HierarchicalAllReduce, node_groups
 from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
 from paratrain.parallel.layers import SyncBatchNorm
 from paratrain.parallel.registry import register_strategy
@@ -146,7 +149,13 @@ class NativeDDP(Strategy):
             find_unused_parameters=self.config.find_unused_parameters,
         )
         if self.config.comm_algorithm == "shm":  # every bucket through shared memory (collective)
-            self.hook_state = ShmHookState.create(self.dp_group)
+            nodes = node_groups(self.dp_group)  # several nodes: shm inside each, the backend between them
+            if nodes is None:
+                self.hook_state = ShmHookState.create(self.dp_group)
+            else:
+                hier = HierarchicalAllReduce(*nodes)
+                self.hook_state = ShmHookState(hier)
+                get_logger().info("ddp --comm-algorithm shm: %s", hier.describe())
             ddp.register_comm_hook(self.hook_state, shm_allreduce_hook)
         return ddp, optimizer
 

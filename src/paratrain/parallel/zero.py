@@ -72,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.shm import ShmCommunicator
+from paratrain.comm.shm_hier import node_groups
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.optim import clone_optimizer
@@ -150,6 +151,13 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         self.shm: ShmCommunicator | None = None
         self._executor: ThreadPoolExecutor | None = None
         if comm_algorithm == "shm" and self.world > 1:  # collective: every rank of the group creates it
+            if node_groups(group) is not None:
+                raise ConfigError(
+                    f"--comm-algorithm shm: ZeRO's reduce-scatter and all-gather through shared memory reach "
+                    f"the ranks of one node, and this run's {self.world} ranks are on several. Use "
+                    "--comm-algorithm native across nodes (or --strategy ddp/dp, whose shm all-reduce is "
+                    "hierarchical: shm inside each node, the backend between them)."
+                )
             self.shm = ShmCommunicator(group)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-zero-shm")
         self._hooks: list[Any] = []
