@@ -152,6 +152,10 @@ def _default_state_fns(flatten: bool = True) -> StateFns:
     return _get, _set
 
 
+SHARED_ROOT_WAIT_S = 5.0
+"""How long a rank looks for rank 0's probe file before it calls the checkpoint directory unshared."""
+
+
 def default_job_id() -> str:
     """``PARATRAIN_JOB_ID`` (the launcher sets it to the id it locked the directory with), else ``host-pid``
     of this process: unique among live processes. (Not torchrun's run id: it is ``none`` by default.)"""
@@ -159,13 +163,15 @@ def default_job_id() -> str:
 
 
 class CheckpointManager:
-    """Saves and loads ``DIR/step_NNNNNNNN`` checkpoints for one run; every rank constructs one.
+    """Saves and loads ``DIR/step_NNNNNNNN`` checkpoints for one run; every rank constructs one (collective:
+    the ranks check that they all see ``DIR``).
 
     ``state_fns`` is ``(get(model, optim) -> (model_sd, optim_sd), set(model, optim, model_sd, optim_sd))``;
     the default is DCP's ``get_state_dict``/``set_state_dict``, which yield FQN-keyed (and, for sharded
     strategies, DTensor) state that DCP reshards across world sizes and strategies. ``job_id`` makes the
     temporary names unique (default :func:`default_job_id`, rank 0's counts); ``writer_factory`` replaces
-    the storage writer (fault injection: a :class:`HashingWriter` subclass).
+    the storage writer (fault injection: a :class:`HashingWriter` subclass); ``check_shared=False`` skips
+    the check that every rank sees ``DIR`` (for a run that neither saves nor resumes).
     """
 
     def __init__(
@@ -179,6 +185,7 @@ class CheckpointManager:
         job_id: str | None = None,
         writer_factory: WriterFactory | None = None,
         checksum_algorithm: str | None = None,
+        check_shared: bool = True,
     ) -> None:
         self.root = Path(root)
         self.ctx = ctx
@@ -194,11 +201,48 @@ class CheckpointManager:
         self.blocked_s: list[float] = []
         """Seconds training was blocked by each save (sync: the whole save; async: staging only)."""
         self._verified: set[tuple[str, int, int, int]] = set()
+        if check_shared and ctx.distributed and ctx.world_size > 1:
+            self._check_shared_root()
         self._async = None
         if async_save:
             from paratrain.checkpoint.async_save import AsyncSaver
 
             self._async = AsyncSaver(ctx, self._commit)
+
+    def _check_shared_root(self) -> None:
+        """Collective: every rank must see the directory rank 0 commits checkpoints in. A run over several
+        nodes whose ``--run-dir`` is on each node's own disk (or a relative path from different working
+        directories) fails here, at start, instead of at its first save after the training it would lose:
+        rank 0 writes a probe file, every rank looks for it (for up to ``SHARED_ROOT_WAIT_S``, for network file
+        systems), and all of them raise naming the ranks, hosts and paths that do not see it. An unwritable
+        directory is left to the first save to report, as before."""
+        name = None
+        if self.ctx.is_main:
+            probe = self.root / f".shared-probe-{self.job_id}"  # rank 0's job id names it
+            with contextlib.suppress(OSError):
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe.write_text(f"{socket.gethostname()} {os.getpid()}\n")
+                name = probe.name
+        name = broadcast_object(name, self.ctx)
+        if name is None:
+            return
+        probe = self.root / name
+        deadline = time.monotonic() + SHARED_ROOT_WAIT_S
+        while not (seen := probe.is_file()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        mine = (seen, socket.gethostname(), str(self.root.absolute()))
+        everyone: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        if self.ctx.is_main:
+            probe.unlink(missing_ok=True)
+        blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(everyone) if not ok]
+        if blind:
+            raise CheckpointError(
+                f"the checkpoint directory is not shared: rank 0 on {everyone[0][1]} writes checkpoints to "
+                f"{everyone[0][2]}, and {', '.join(blind)} cannot see what it writes there. A run over several "
+                "nodes needs --run-dir (or checkpoint.dir) on storage every node mounts at the same path "
+                "(NFS, Lustre, ...), given as an absolute path."
+            )
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(

@@ -183,6 +183,10 @@ class Trainer:
             cfg.checkpoint.keep_last,
             cfg.checkpoint.async_save,
             writer_factory=checkpoint_writer_factory(ctx.rank),
+            # every rank must see the directory, unless the run neither saves nor resumes
+            check_shared=bool(
+                cfg.checkpoint.every or cfg.checkpoint.save_at_end or cfg.checkpoint.resume != "never"
+            ),
         )
         self.lifecycle = RunLifecycle(
             self.state,
