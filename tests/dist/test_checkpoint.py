@@ -201,6 +201,7 @@ def _unshared_root(tmp: str, mode: str) -> str:
         m = manager.CheckpointManager(root, ctx, check_shared=mode != "unchecked")
     except manager.CheckpointError as e:
         return f"CheckpointError: {e}"
+    dist.barrier()  # rank 0 has removed its probe
     probes = [p.name for p in root.glob(".shared-probe-*")] if root.exists() else []
     m.close()
     return f"ok {probes}"
