@@ -6,9 +6,7 @@ stored before the rotation, the sweep ``shm.json`` and the ``*_fixed_order.json`
 order). The algorithms: ``shm`` as shipped (the direct path above 256 KiB where the kernel allows it, the
 slots below); ``shm-slots``, the slots only; ``native``, Gloo's own collective; ``ring``, paratrain's
 pipelined ring; and for all_reduce ``shm-zero-copy``, where the tensor lives in the segment's arena and
-is reduced where it lies, as dp's gradient buckets are. Not in the default list: ``shm-no-early``, the
-direct all-reduce without its early folding of the peers that arrived first (``early=False``), to measure
-what that folding gains.
+is reduced where it lies, as dp's gradient buckets are.
 
 Each call is timed alone (a Gloo barrier, then the call); an iteration's time is the slowest rank's; the
 figure is the median over the iterations. With ``--back-to-back K`` a sample is K calls in a row after one
@@ -64,8 +62,7 @@ from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-ALGORITHMS = ("shm", "shm-slots", "shm-zero-copy", "native", "ring", "shm-no-early")
-DEFAULT_ALGORITHMS = ALGORITHMS[:5]
+ALGORITHMS = ("shm", "shm-slots", "shm-zero-copy", "native", "ring")
 
 
 def parse_sizes(text: str, factor: int) -> list[int]:
@@ -137,9 +134,8 @@ def _inputs(collective: str, nbytes: int, n: int) -> tuple[torch.Tensor, torch.T
 
 
 def _calls(
-    collective: str, algorithms: list[str], c: Any, inp: torch.Tensor, out: torch.Tensor | None, slots: Any,
-    no_early: Any = None,
-) -> dict[str, Callable[[], Any]]:  # fmt: skip
+    collective: str, algorithms: list[str], c: Any, inp: torch.Tensor, out: torch.Tensor | None, slots: Any
+) -> dict[str, Callable[[], Any]]:
     """One zero-argument call per algorithm that offers ``collective``."""
     from paratrain import comm
 
@@ -148,7 +144,6 @@ def _calls(
         table: dict[str, Callable[[], Any]] = {
             "shm": lambda: c.all_reduce(inp),
             "shm-slots": lambda: slots.all_reduce(inp),
-            "shm-no-early": lambda: no_early.all_reduce(inp),
             "native": lambda: dist.all_reduce(inp),
             "ring": lambda: comm.all_reduce(inp, "sum", "ring", check=False),
         }
@@ -193,18 +188,11 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if "shm-slots" in spec["algorithms"]
         else None
     )
-    no_early = (
-        shm.ShmCommunicator(
-            capacity_bytes=spec["capacity"], direct_block_bytes=spec["direct_block"], early=False
-        )
-        if "shm-no-early" in spec["algorithms"]
-        else None
-    )
     rows = []
     for collective in spec["collectives"]:
         for size in spec["sizes"]:
             inp, out = _inputs(collective, size, n)
-            calls = _calls(collective, spec["algorithms"], c, inp, out, slots, no_early)
+            calls = _calls(collective, spec["algorithms"], c, inp, out, slots)
             iters = spec["iters"] if size < spec["big_bytes"] else spec["big_iters"]
             times: dict[str, list[float]] = {a: [] for a in calls}
             cpu: dict[str, list[float]] = {a: [] for a in calls}
@@ -237,9 +225,8 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     "cpu_s_all_ranks": statistics.median(per_cpu), "calls_per_sample": k,
                 })  # fmt: skip
     c.close()
-    for extra in (slots, no_early):
-        if extra is not None:
-            extra.close()
+    if slots is not None:
+        slots.close()
     return rows
 
 
@@ -305,11 +292,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     colls = result["collectives"]
     colors = dict(
-        zip(
-            ALGORITHMS,
-            ("tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:green", "tab:red"),
-            strict=True,
-        )
+        zip(ALGORITHMS, ("tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:green"), strict=True)
     )
     fig, axes = plt.subplots(1, len(colls), figsize=(6 * len(colls), 4.4), squeeze=False)
     for ax, collective in zip(axes[0], colls, strict=True):
@@ -344,9 +327,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1KB..256MB", help="sizes S: 1KB..256MB (×--factor) or 4KB,1MB")
     parser.add_argument("--factor", type=int, default=4)
     parser.add_argument("--collectives", default=",".join(COLLECTIVES))
-    parser.add_argument(
-        "--algorithms", default=",".join(DEFAULT_ALGORITHMS), help=f"comma list of {', '.join(ALGORITHMS)}"
-    )
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--iters", type=int, default=15, help="timed iterations per size (median)")
     parser.add_argument("--big-iters", type=int, default=5, help="timed iterations at >= 32 MB")
     parser.add_argument("--warmup", type=int, default=2)

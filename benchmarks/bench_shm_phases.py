@@ -7,17 +7,16 @@ the shm all-reduce and Gloo's run once per iteration in turn (the order alternat
 a barrier. Per size it reports:
 
 - ``wall_ms``: the call, from the first rank's entry to the last rank's return (median over iterations),
-  and Gloo's time measured the same way (``gloo_ms``), with their ratio;
+  and Gloo's time (``gloo_ms``: the slowest rank's time from its own entry, as ``bench_shm.py`` times
+  every algorithm), with their ratio (conservative for shm: its span starts at the first entry);
 - ``chunk_cpu_ms``: CPU time of one rank's chunk (median over ranks and iterations); ``chunk_GBps``: the
   bytes its chunk moves (2(n-1)/n·S: read in and written out) per CPU second, against the one-core
   ``copy_`` speed measured in the same run;
 - ``busy_cores``: the chunks' CPU seconds of all ranks over the call's wall time (at most the number of
   cores): how much of the machine the reduction itself keeps busy;
-- ``arrive_wait_ms``: from a rank's entry to passing ARRIVE (the skew of the barrier before the call);
-- ``early_share``: the share of (rank, call) pairs that folded at least one peer into the chunk while
-  others had not arrived yet (``early_peers_mean``: peers folded per rank and call).
+- ``arrive_wait_ms``: from a rank's entry to passing ARRIVE (the skew of the barrier before the call).
 
-    python benchmarks/bench_shm_phases.py --json      # about a minute here; results/shm_phases.json
+    python benchmarks/bench_shm_phases.py --json      # about a minute here (3 runs); results/shm_phases.json
 """
 
 from __future__ import annotations
@@ -42,6 +41,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _copy_gbps(nbytes: int = 64 << 20, reps: int = 7) -> float:
+    """One core's ``copy_`` speed (bytes copied per second), as the ranks run with one thread each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _copy_once(nbytes, reps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_once(nbytes: int, reps: int) -> float:
     a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     times = []
     for _ in range(reps):
@@ -82,7 +91,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(n: int, size: int, raw: dict[str, Any], copy_gbps: float, cores: int) -> dict[str, Any]:
     tr = torch.tensor(raw["trace"], dtype=torch.float64)  # ranks × iterations × 6
-    entry, arrived, worked, done, _wait_cpu, chunk_cpu, early = tr.unbind(-1)
+    entry, arrived, worked, done, _wait_cpu, chunk_cpu = tr.unbind(-1)
     wall = done.max(0).values - entry.min(0).values  # per iteration
     gloo = statistics.median(raw["gloo_s"])
     moved = 2 * (n - 1) / n * size  # one rank's chunk: (n-1)/n·S read in, the same written out
@@ -101,8 +110,6 @@ def summarize(n: int, size: int, raw: dict[str, Any], copy_gbps: float, cores: i
         "busy_cores": statistics.median((chunk_cpu.sum(0) / wall).tolist()),
         "cores": cores,
         "arrive_wait_ms": statistics.median((arrived - entry).flatten().tolist()) * 1e3,
-        "early_share": float((early > 0).double().mean()),
-        "early_peers_mean": float(early.mean()),
     }
 
 
@@ -112,6 +119,7 @@ def main() -> None:
     p.add_argument("--sizes", default="4MB,16MB,64MB", help="all-reduce sizes S (default 4MB,16MB,64MB)")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3, help="repeat everything in fresh process groups")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", type=Path, default=RESULTS / "shm_phases.json", help="where to store the JSON")
     args = p.parse_args()
@@ -121,17 +129,24 @@ def main() -> None:
     copy_gbps = _copy_gbps()
     load_before = list(os.getloadavg())
     rows = []
-    for n in ranks:
-        print(f"{n} ranks ...", file=sys.stderr, flush=True)
-        spec = {"sizes": sizes, "iters": args.iters, "warmup": args.warmup}
-        raw = run_distributed(_worker, n, args=(spec,), env={"OMP_NUM_THREADS": "1"}, timeout_s=600)[0]
-        rows += [summarize(n, s, raw[str(s)], copy_gbps, cores) for s in sizes]
+    for run in range(args.runs):
+        for n in ranks:
+            print(f"run {run + 1}/{args.runs}: {n} ranks ...", file=sys.stderr, flush=True)
+            spec = {"sizes": sizes, "iters": args.iters, "warmup": args.warmup}
+            raw = run_distributed(_worker, n, args=(spec,), env={"OMP_NUM_THREADS": "1"}, timeout_s=600)[0]
+            rows += [dict(summarize(n, s, raw[str(s)], copy_gbps, cores), run=run) for s in sizes]
     result = {
         "machine": {"cores": cores, "torch": torch.__version__},
         "copy_GBps_one_core": copy_gbps,
         "load_avg_before": load_before,
         "load_avg_after": list(os.getloadavg()),
-        "spec": {"ranks": ranks, "sizes": sizes, "iters": args.iters, "warmup": args.warmup},
+        "spec": {
+            "ranks": ranks,
+            "sizes": sizes,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "runs": args.runs,
+        },
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +160,7 @@ def main() -> None:
     )
     for r in rows:
         print(
-            f"{r['world_size']:>5} {r['bytes'] >> 20:>4}MB {r['wall_ms']:8.2f} {r['gloo_ms']:8.2f} "
+            f"{r['run']:>3} {r['world_size']:>5} {r['bytes'] >> 20:>4}MB {r['wall_ms']:8.2f} {r['gloo_ms']:8.2f} "
             f"{r['gloo_over_shm']:8.2f}x {r['chunk_wall_ms']:7.2f} ({r['chunk_cpu_ms']:.2f}) "
             f"{r['chunk_GBps']:10.2f} {r['chunk_vs_copy']:8.2f} {r['busy_cores']:10.2f} {r['arrive_wait_ms']:9.2f}"
         )

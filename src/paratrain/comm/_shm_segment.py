@@ -109,7 +109,6 @@ class _Segment:
         direct: bool = True,
         direct_min_bytes: int = DIRECT_MIN_BYTES,
         direct_block_bytes: int = DIRECT_BLOCK_BYTES,
-        early: bool = True,
         store: Any = None,
         shm_dir: str = "/dev/shm",
     ) -> None:
@@ -149,14 +148,10 @@ class _Segment:
         self._vm: _VmReader | None = None
         self._pids: list[int] = []
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
-        self._acc: dict[torch.dtype, torch.Tensor] = {}  # the direct all-reduce's early accumulator
-        self.early = early
-        """The direct all-reduce folds in the peers that have arrived while others are late."""
         self.trace: list[tuple[float, ...]] | None = None
         """Set to a list to record each direct all-reduce's phases: wall clock at entry, past the ARRIVE
         barrier, after this rank's chunk, past DONE; then this thread's CPU seconds in the ARRIVE wait and
-        in the chunk, and how many peers were folded in while waiting for the others
-        (``benchmarks/bench_shm_phases.py``). ``None``: nothing recorded."""
+        in the chunk (``benchmarks/bench_shm_phases.py``). ``None``: nothing recorded."""
         if self.size == 1:
             return
         if _FENCE is None:

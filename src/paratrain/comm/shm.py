@@ -143,15 +143,13 @@ from paratrain.comm._shm_segment import (
     _ARRIVE,
     _DONE,
     _REDUCED,
-    _SIG,
-    _SIG_WORDS,
     DEFAULT_CAPACITY_BYTES,
     DIRECT_MIN_BYTES,
     IN_PLACE_BLOCK_BYTES,
     SMALL_BYTES,
     _Segment,
 )
-from paratrain.comm._shm_sys import SEGMENT_PREFIX, _fence
+from paratrain.comm._shm_sys import SEGMENT_PREFIX
 from paratrain.comm.shm_hier import (
     HierarchicalAllReduce,
     hierarchical_all_reduce,
@@ -197,8 +195,6 @@ class ShmCommunicator(_Segment):
         direct_min_bytes: tensors above this size take the direct path; smaller ones the slots.
         direct_block_bytes: bytes of the peers' blocks together in the direct reduction's private buffer
             (each peer's block is 1/(n−1) of it).
-        early: the direct all-reduce folds the peers that have arrived into a private accumulator while
-            others are late (3 ranks or more; see ``_accumulate_early``).
         timeout_s: how long a rank waits for a peer before raising (default: the group's timeout).
         arena_bytes: bytes of this rank's arena for :meth:`allocate` (0: none).
         small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
@@ -447,62 +443,19 @@ class ShmCommunicator(_Segment):
         return self.direct and t.device.type == "cpu" and t.numel() * _esize(t.dtype) > self.direct_min_bytes
 
     def _begin_direct(
-        self, function: str, sig: list[int], addr: int, meanwhile: Callable[[int], Any] | None = None
-    ) -> tuple[int, tuple[str, int, int], Any]:
-        """Publish this rank's tensor address with ARRIVE, wait for every rank, compare the signatures;
-        returns the step, its description and what ``meanwhile(step)`` returned. ``meanwhile`` runs
-        between the publish and the wait (work that needs no other rank, or only ranks it checks itself)."""
+        self, function: str, sig: list[int], addr: int, meanwhile: Callable[[], Any] | None = None
+    ) -> tuple[int, tuple[str, int, int]]:
+        """Publish this rank's tensor address with ARRIVE, wait for every rank, compare the signatures.
+        ``meanwhile`` (work on this rank's own memory only) runs between the publish and the wait."""
         what = (function, 0, 1)
         k, _ = self._next()
         self._lines[self.rank, _ADDR] = addr
         self._publish(_ARRIVE, k, _with_seq(sig, k))
-        done = meanwhile(k) if meanwhile is not None else None
+        if meanwhile is not None:
+            meanwhile()
         self._wait(_ARRIVE, k, what)
         self._check_sig(k, _with_seq(sig, k))
-        return k, what, done
-
-    def _early_acc(self, dtype: torch.dtype, length: int) -> torch.Tensor:
-        """This rank's private accumulator for :meth:`_accumulate_early` (kept for reuse, grown as needed:
-        the largest chunk seen, S/n elements)."""
-        t = self._acc.get(dtype)
-        if t is None or t.numel() < length:
-            t = self._acc[dtype] = torch.empty(length, dtype=dtype)
-        return t[:length]
-
-    def _accumulate_early(self, k: int, flat: torch.Tensor, a: int, c: int, binary: Any) -> int:
-        """While some ranks have not arrived at step ``k``, fold the peers that have into a private copy of
-        this rank's chunk [a, c) (:meth:`_early_acc`; the tensor itself is written only after every rank's
-        call signature is checked), in rank order, the order the blocked pass uses, so the result has the
-        same bits whenever the ranks arrive: the barrier's skew, which leaves cores idle, does part of the
-        reading and reducing. Stops as soon as every rank is here (the blocked pass then does the rest
-        with each block in cache), before the last peer (whose blocks the write-back needs in cache), or
-        at a peer whose call signature differs from this rank's (the full check after the barrier raises
-        it). Returns how many peers, in rank order, are folded in."""
-        n, r, lines, es = self.size, self.rank, self._lines, _esize(flat.dtype)
-        peers = [j for j in range(n) if j != r]
-        base = _SIG + (k & 1) * _SIG_WORDS
-        what = ("all_reduce", 0, 1)
-        block = max(1, self.direct_block_bytes // max(1, n - 1) // es)
-        taken = 0
-        while taken < len(peers) - 1:
-            if bool((lines[:, _ARRIVE] >= k).all()):
-                break
-            j = peers[taken]
-            if lines[j, _ARRIVE] < k:
-                self._wait_slow(_ARRIVE, k, [j], what)
-                continue
-            _fence()
-            if not bool((lines[j, base : base + _SIG_WORDS] == lines[r, base : base + _SIG_WORDS]).all()):
-                break
-            row = self._scratch_rows(flat.dtype, min(block, c - a))[0]
-            acc = self._early_acc(flat.dtype, c - a)
-            addr = int(lines[j, _ADDR])
-            for s in range(a, c, block):
-                e = min(c, s + block)
-                self._peer_read(j, row[: e - s], addr + s * es, what)
-                binary(acc[s - a : e - a] if taken else flat[s:e], row[: e - s], out=acc[s - a : e - a])
-            taken += 1
-        return taken
+        return k, what
 
     def _end_direct(self, k: int, what: tuple[str, int, int]) -> None:
         """DONE barrier: after it no peer reads this rank's memory, so the caller may change it."""
@@ -511,36 +464,30 @@ class ShmCommunicator(_Segment):
 
     def _reduce_chunk_direct(
         self, addrs: list[int], lo: int, hi: int, own: torch.Tensor, out: torch.Tensor, op: str,
-        what: tuple[str, int, int], write_back: bool = False, readers: list[int] | None = None,
-        own_base: int = 0,
+        what: tuple[str, int, int], write_back: bool = False,
     ) -> None:  # fmt: skip
         """``out`` = the reduction of elements [lo, hi) of every rank's flat tensor (rank j's at
         ``addrs[j]``, this rank's is ``own``; ``out`` may be ``own[lo:hi]``), block by block: the peers'
         blocks are read into a private buffer that stays in cache, then combined with this rank's.
         ``write_back``: each reduced block is also written into every peer's tensor, where it was read
-        from, while it is still in cache (the all-reduce). ``readers``: the peers still to read, in rank
-        order (default: all); fewer when ``own`` is the accumulator of :meth:`_accumulate_early`, which
-        already holds the others, and whose element ``i - own_base`` stands for element ``i``."""
+        from, while it is still in cache (the all-reduce)."""
         dtype, es, n, r = own.dtype, _esize(own.dtype), self.size, self.rank
         binary = pairwise(op, dtype)
         block = max(1, self.direct_block_bytes // max(1, n - 1) // es)
         rows = self._scratch_rows(dtype, min(block, max(1, hi - lo)))
         peers = [j for j in range(n) if j != r]
-        readers = peers if readers is None else readers
-        assert binary is not None or readers == peers
         for s in range(lo, hi, block):
             e = min(hi, s + block)
             m = e - s
-            for i, j in enumerate(readers):
+            for i, j in enumerate(peers):
                 self._peer_read(j, rows[i, :m], addrs[j] + s * es, what)
             dst = out[s - lo : e - lo]
-            mine = own[s - own_base : e - own_base]
             if binary is not None:  # in place over this rank's block: no copy of it
-                binary(mine, rows[0, :m], out=dst)
-                for i in range(1, len(readers)):
+                binary(own[s:e], rows[0, :m], out=dst)
+                for i in range(1, n - 1):
                     binary(dst, rows[i, :m], out=dst)
             else:
-                rows[n - 1, :m].copy_(mine)
+                rows[n - 1, :m].copy_(own[s:e])
                 _reduce_rows(rows[:, :m], dst, op)
             if op == "mean":
                 divide_(dst, n)
@@ -561,34 +508,28 @@ class ShmCommunicator(_Segment):
         q = -(-numel // n // grain) * grain
         bounds = [(min(numel, j * q), min(numel, (j + 1) * q)) for j in range(n)]
         sig = _signature("all_reduce", op, dtype, numel, -2, 0, 1)
-        a, c = bounds[r]
-        binary = pairwise(op, dtype)
         trace = self.trace
         if trace is not None:
             t0, c0 = time.perf_counter(), time.thread_time()
-        early = None
-        if self.early and binary is not None and n > 2 and c > a:
-            early = lambda k: self._accumulate_early(k, flat, a, c, binary)  # noqa: E731
-        k, what, taken = self._begin_direct("all_reduce", sig, flat.data_ptr(), early)
+        k, what = self._begin_direct("all_reduce", sig, flat.data_ptr())
         if trace is not None:
             t1, c1 = time.perf_counter(), time.thread_time()
         addrs = [int(a) for a in self._lines[:, _ADDR]]
+        a, c = bounds[r]
         if c > a:  # nobody else reads or writes my chunk of any tensor: reduce it in place
-            readers = [j for j in range(n) if j != r][taken or 0 :]
-            own, base = (self._early_acc(flat.dtype, c - a), a) if taken else (flat, 0)
-            self._reduce_chunk_direct(addrs, a, c, own, flat[a:c], op, what, True, readers, base)
+            self._reduce_chunk_direct(addrs, a, c, flat, flat[a:c], op, what, write_back=True)
         if trace is not None:
             t2, c2 = time.perf_counter(), time.thread_time()
         self._end_direct(k, what)
         if trace is not None:
-            trace.append((t0, t1, t2, time.perf_counter(), c1 - c0, c2 - c1, taken or 0))
+            trace.append((t0, t1, t2, time.perf_counter(), c1 - c0, c2 - c1))
 
     def _reduce_scatter_direct(
         self, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str, out: torch.Tensor
     ) -> None:
         sig = _signature("reduce_scatter", op, flat.dtype, flat.numel(), -2, _bounds_hash(
             [b - a for a, b in bounds]), 1)  # fmt: skip
-        k, what, _ = self._begin_direct("reduce_scatter", sig, flat.data_ptr())
+        k, what = self._begin_direct("reduce_scatter", sig, flat.data_ptr())
         addrs = [int(a) for a in self._lines[:, _ADDR]]
         lo, hi = bounds[self.rank]
         if hi > lo:
@@ -602,7 +543,7 @@ class ShmCommunicator(_Segment):
             [b - a for a, b in bounds]), 1)  # fmt: skip
         lo, hi = bounds[self.rank]
         own = out[lo:hi]  # this rank's part is copied while the others arrive
-        k, what, _ = self._begin_direct("all_gather", sig, mine.data_ptr(), lambda _k: own.copy_(mine))
+        k, what = self._begin_direct("all_gather", sig, mine.data_ptr(), lambda: own.copy_(mine))
         addrs = [int(a) for a in self._lines[:, _ADDR]]
         for j, (a, c) in enumerate(bounds):
             if c > a and j != self.rank:
@@ -611,7 +552,7 @@ class ShmCommunicator(_Segment):
 
     def _broadcast_direct(self, flat: torch.Tensor, root: int) -> None:
         sig = _signature("broadcast", "", flat.dtype, flat.numel(), root, -2, 1)
-        k, what, _ = self._begin_direct("broadcast", sig, flat.data_ptr())
+        k, what = self._begin_direct("broadcast", sig, flat.data_ptr())
         if self.rank != root:
             self._peer_read(root, flat, int(self._lines[root, _ADDR]), what)
         self._end_direct(k, what)
