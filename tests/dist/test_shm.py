@@ -439,6 +439,52 @@ def test_ranks_on_different_hosts_are_refused() -> None:
     assert [n for n in os.listdir("/dev/shm") if job in n] == []
 
 
+# -- PREMUL_SUM (torch.distributed._make_nccl_premul_sum): each input times the factor, then the sum ---------
+
+
+def premul_sum() -> dict[str, Any]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    bad: list[str] = []
+    for name, cfg in (("default", {}), ("direct", {"direct_min_bytes": 0}), ("slots", {"direct": False})):
+        c = shm.ShmCommunicator(**cfg)
+        for factor in (0.5, torch.tensor([2.0]), -4.0):
+            op = dist._make_nccl_premul_sum(factor)
+            f = float(factor) if not isinstance(factor, torch.Tensor) else factor.item()
+            for dtype in (torch.float32, torch.float64, torch.bfloat16):
+                x = _data((7, 301), dtype, "sum", seed=rank + 7 * n)
+                expect = x * f  # Gloo has no PREMUL_SUM: the same sum of scaled inputs
+                dist.all_reduce(expect)
+                what = f"{name} {dtype} {f}"
+                if not _same(c.all_reduce(x.clone(), op), expect):
+                    bad.append(f"all_reduce {what}")
+                y = x.clone()
+                c.reduce(y, dst=1, op=op)
+                if not _same(y, expect if rank == 1 else x):  # the others' tensors are unchanged
+                    bad.append(f"reduce {what}")
+                got = _rs_comm_style(c, x, op)
+                if not _same(got, torch.tensor_split(expect, n)[rank]):
+                    bad.append(f"reduce_scatter {what}")
+        c.close()
+    errors = []
+    for op, t in ((dist._make_nccl_premul_sum(2.0), torch.ones(4, dtype=torch.int64)), (dist.ReduceOp.PREMUL_SUM, torch.ones(4))):
+        try:
+            shm.all_reduce(t, op=op)
+            errors.append("no error")
+        except (TypeError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    shm.all_reduce(torch.ones(3))  # still usable
+    return {"bad": bad, "errors": errors}
+
+
+@pytest.mark.timeout(120)
+def test_premul_sum_scales_every_input_then_sums() -> None:
+    out = run_distributed(premul_sum, 3, timeout_s=110)
+    for rank, o in enumerate(out):
+        assert o["bad"] == [], (rank, o["bad"])
+        assert o["errors"][0].startswith("TypeError: shm all_reduce: PREMUL_SUM needs a floating-point tensor")
+        assert o["errors"][1].startswith("ValueError: shm: ReduceOp.PREMUL_SUM needs its factor"), o["errors"]
+
+
 # -- failures: a late rank, a killed rank -----------------------------------------------------------
 
 

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod", "band", "bor", "bxor")
-"""Reduction ops (``avg`` is accepted as ``mean``; ``dist.ReduceOp`` values are accepted too)."""
+"""Reduction ops (``avg`` is accepted as ``mean``; ``dist.ReduceOp`` values are accepted too, and
+``PREMUL_SUM`` made by ``torch.distributed._make_nccl_premul_sum(factor)``: each rank's input is
+multiplied by the factor, then summed; :func:`split_premul`)."""
 
 _FUNCS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast", "all_reduce_inplace_slot")
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -28,11 +30,38 @@ def normalize_op(op: Any) -> str:
         raise ValueError(f"shm: unknown op {op!r}; choose one of {', '.join(OPS)} (or 'avg').")
     for name, native in (
         ("sum", "SUM"), ("mean", "AVG"), ("prod", "PRODUCT"), ("max", "MAX"), ("min", "MIN"),
-        ("band", "BAND"), ("bor", "BOR"), ("bxor", "BXOR"),
+        ("band", "BAND"), ("bor", "BOR"), ("bxor", "BXOR"), ("premul_sum", "PREMUL_SUM"),
     ):  # fmt: skip
         if op == getattr(dist.ReduceOp, native):
             return name
-    raise ValueError(f"shm: unsupported reduce op {op!r} (PREMUL_SUM and custom ops are not implemented).")
+    raise ValueError(f"shm: unsupported reduce op {op!r} (custom ops are not implemented).")
+
+
+def split_premul(op: Any) -> tuple[str, Any]:
+    """``(name, factor)``: :func:`normalize_op`'s name, and for ``PREMUL_SUM`` its factor (a number or a
+    one-element tensor) with the name ``"sum"`` (the caller multiplies each rank's input first); otherwise
+    ``None``. A bare ``ReduceOp.PREMUL_SUM`` (no factor) is a ``ValueError``."""
+    name = normalize_op(op)
+    if name != "premul_sum":
+        return name, None
+    try:
+        factor = op.factor
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            "shm: ReduceOp.PREMUL_SUM needs its factor: make the op with "
+            "torch.distributed._make_nccl_premul_sum(factor)."
+        ) from None
+    return "sum", factor
+
+
+def premultiply(t: torch.Tensor, factor: Any, function: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t * factor`` into ``out`` (``t`` itself when ``out`` is ``t``; a new tensor when ``None``), for
+    ``PREMUL_SUM``: floating-point and complex tensors only, as NCCL has it."""
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise TypeError(f"{function}: PREMUL_SUM needs a floating-point tensor, got {t.dtype}.")
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(t.device).reshape(())
+    return torch.mul(t, factor) if out is None else torch.mul(t, factor, out=out)
 
 
 def native_op(op: str) -> Any:

@@ -103,7 +103,9 @@ from libatomic before every flag store and after every flag load (release/acquir
 two or more ranks refuses to start on a non-x86 machine without libatomic.
 
 **Ops and dtypes.** ``sum mean max min prod`` (comm's ops), ``avg`` (= mean), ``band bor bxor`` (integer
-and bool), or the equivalent ``dist.ReduceOp``; any dtype torch can reduce on CPU: sums of bf16/fp16 are
+and bool), or the equivalent ``dist.ReduceOp``, and ``PREMUL_SUM`` from
+``dist._make_nccl_premul_sum(factor)`` (floats: each rank's input times the factor, then the sum; all_reduce
+scales its tensor in place first, reduce and reduce_scatter scale a copy, as their inputs are kept); any dtype torch can reduce on CPU: sums of bf16/fp16 are
 accumulated in float32 and rounded once; integers wrap like Gloo's; bool follows Gloo (sum/max/bor =
 any, prod/min/band = all, bxor = parity). Any shape, 0-d, empty, non-contiguous (through a copy).
 Tensors on another device are staged through the segment by ``copy_``.
@@ -136,6 +138,8 @@ from paratrain.comm._shm_ops import (
     native_op,
     normalize_op,
     pairwise,
+    premultiply,
+    split_premul,
 )
 from paratrain.comm._shm_segment import (
     _ADDR,
@@ -208,12 +212,20 @@ class ShmCommunicator(_Segment):
     @torch.no_grad()
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
         """Reduce ``tensor`` over the group into ``tensor`` on every rank (in place; returned)."""
-        return self._reduce(tensor, normalize_op(op), None, "all_reduce")
+        name, factor = split_premul(op)
+        if factor is not None:
+            premultiply(tensor, factor, "shm all_reduce", out=tensor)  # in place: the result replaces it
+        return self._reduce(tensor, name, None, "all_reduce")
 
     @torch.no_grad()
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: Any = "sum") -> torch.Tensor:
         """Reduce into ``tensor`` on global rank ``dst`` (in place); the others' tensors are unchanged."""
-        return self._reduce(tensor, normalize_op(op), self.peers.group_rank(dst, "dst"), "reduce")
+        root = self.peers.group_rank(dst, "dst")
+        name, factor = split_premul(op)
+        if factor is None:
+            return self._reduce(tensor, name, root, "reduce")
+        scaled = self._reduce(premultiply(tensor, factor, "shm reduce"), name, root, "reduce")
+        return tensor.copy_(scaled) if root == self.rank else tensor
 
     def _reduce(self, tensor: torch.Tensor, op: str, root: int | None, function: str) -> torch.Tensor:
         check_op(f"shm {function}", op, tensor.dtype)
@@ -289,7 +301,9 @@ class ShmCommunicator(_Segment):
     ) -> torch.Tensor:
         """Reduce the flat ``inp`` over the group; ``out`` (``bounds[rank]``'s length) receives elements
         ``bounds[rank]`` of the result. ``bounds``: one ``[start, end)`` per rank, the same on every rank."""
-        op = normalize_op(op)
+        op, factor = split_premul(op)
+        if factor is not None:  # the input is the caller's: scale a copy
+            inp = premultiply(inp, factor, "shm reduce_scatter")
         check_op("shm reduce_scatter", op, inp.dtype)
         lo, hi = bounds[self.rank]
         if out.numel() != hi - lo:
@@ -567,7 +581,9 @@ class ShmCommunicator(_Segment):
         wait for every REDUCED; copy the other chunks from their owners' copies; ``DONE = k``, wait for
         every DONE (after that no peer reads this rank's arena, so the caller may write it again).
         """
-        op = normalize_op(op)
+        op, factor = split_premul(op)
+        if factor is not None:
+            premultiply(tensor, factor, "shm all_reduce_inplace_slot", out=tensor)
         check_op("shm all_reduce_inplace_slot", op, tensor.dtype)
         if self.size == 1 or tensor.numel() == 0:
             return tensor
@@ -718,6 +734,9 @@ def reduce_scatter(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> 
         (rows[comm.rank][1] - rows[comm.rank][0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
     if tensor.numel() == 0:
-        check_op("shm reduce_scatter", normalize_op(op), tensor.dtype)
+        name, factor = split_premul(op)
+        if factor is not None:
+            premultiply(tensor, factor, "shm reduce_scatter")
+        check_op("shm reduce_scatter", name, tensor.dtype)
         return out
     return comm.reduce_scatter_flat(tensor, [(a * unit, b * unit) for a, b in rows], op, out)

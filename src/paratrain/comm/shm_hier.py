@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm._common import chunk_bounds
-from paratrain.comm._shm_ops import check_op, native_op, normalize_op
+from paratrain.comm._shm_ops import check_op, native_op, premultiply, split_premul
 from paratrain.comm._shm_sys import _host_info
 
 
@@ -131,7 +131,9 @@ def hierarchical_all_reduce(
     The chunks are ``torch.tensor_split`` parts of the flat tensor over the node's ranks, so every rank
     of ``inter_group`` holds a chunk of the same length (the nodes have the same size).
     """
-    op = normalize_op(op)
+    op, factor = split_premul(op)
+    if factor is not None:
+        premultiply(tensor, factor, "shm hierarchical_all_reduce", out=tensor)
     check_op("shm hierarchical_all_reduce", op, tensor.dtype)
     from paratrain.comm.shm import ShmCommunicator, get_communicator  # shm re-exports this module
 
