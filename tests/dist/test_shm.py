@@ -485,6 +485,62 @@ def test_premul_sum_scales_every_input_then_sums() -> None:
         assert o["errors"][1].startswith("ValueError: shm: ReduceOp.PREMUL_SUM needs its factor"), o["errors"]
 
 
+# -- dtypes torch can only copy, or reduce with some ops (float8, uint16) ---------------------------------
+
+
+def rare_dtypes() -> dict[str, Any]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    c = shm.ShmCommunicator(direct_min_bytes=1 << 10)  # the 300 000-element calls take the direct path
+    out: dict[str, Any] = {"refused": [], "bad": []}
+    for dtype, op in ((torch.float8_e4m3fn, "max"), (torch.uint16, "sum"), (torch.float8_e5m2, "sum")):
+        try:
+            c.all_reduce(torch.zeros(300_000, dtype=dtype), op)
+            out["refused"].append("no error")
+        except TypeError as e:
+            out["refused"].append(str(e))
+    for size in (5, 300_000):
+        bits = torch.randint(0, 1 << 16, (size,), generator=torch.Generator().manual_seed(rank), dtype=torch.int32)
+        x = bits.to(torch.uint16)
+        every = [torch.zeros_like(bits) for _ in range(n)]
+        dist.all_gather(every, bits)
+        expect = every[0]
+        for b in every[1:]:
+            expect = expect ^ b
+        if not torch.equal(c.all_reduce(x.clone(), "bxor").to(torch.int32), expect):
+            out["bad"].append(f"uint16 bxor {size}")
+        f8 = torch.randn(size, generator=torch.Generator().manual_seed(rank)).to(torch.float8_e4m3fn)
+        gathered = torch.empty(n * size, dtype=torch.float8_e4m3fn)
+        c.all_gather(gathered, f8)
+        ref = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+        dist.all_gather(ref, f8.view(torch.uint8))
+        if not torch.equal(gathered.view(torch.uint8), torch.cat(ref)):
+            out["bad"].append(f"float8 all_gather {size}")
+        b = f8.clone()
+        c.broadcast(b, src=n - 1)
+        dist.broadcast(f8.view(torch.uint8), src=n - 1)
+        if not torch.equal(b.view(torch.uint8), f8.view(torch.uint8)):
+            out["bad"].append(f"float8 broadcast {size}")
+    try:  # the same size in two dtypes of one width: the signatures tell them apart
+        c.all_reduce(torch.zeros(64, dtype=torch.uint16 if rank == 0 else torch.int16), "bxor")
+        out["mismatch"] = "no error"
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    out["after"] = c.all_reduce(torch.ones(10))[0].item()  # still usable
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_dtypes_without_a_kernel_are_refused_up_front_and_copies_of_any_dtype_work() -> None:
+    out = run_distributed(rare_dtypes, 2, timeout_s=110)
+    for rank, o in enumerate(out):
+        assert o["bad"] == [], (rank, o["bad"])
+        for msg, what in zip(o["refused"], ("float8_e4m3fn tensors with op='max'", "uint16 tensors with op='sum'",
+                                             "float8_e5m2 tensors with op='sum'"), strict=True):  # fmt: skip
+            assert msg.startswith("shm all_reduce: torch has no CPU kernel to reduce torch.") and what in msg, msg
+        assert "disagree on the call" in o["mismatch"] and "torch.uint16" in o["mismatch"], o["mismatch"]
+        assert o["after"] == 2.0
+
+
 # -- failures: a late rank, a killed rank -----------------------------------------------------------
 
 

@@ -15,10 +15,16 @@ OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod", "band", "bor", "bxo
 multiplied by the factor, then summed; :func:`split_premul`)."""
 
 _FUNCS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast", "all_reduce_inplace_slot")
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+_DTYPE_NAMES = (
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "complex128", "complex32", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
 )  # fmt: skip
+_DTYPES: tuple[torch.dtype, ...] = tuple(
+    getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+)
+"""Every dtype a call signature can name (its index is the code), so that ranks calling with different
+dtypes of one size are told apart; new names go at the end."""
 
 
 def normalize_op(op: Any) -> str:
@@ -85,6 +91,36 @@ def check_op(function: str, op: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{function}: op={op!r} needs an integer or bool tensor, got {dtype}.")
     if dtype.is_complex and op not in ("sum", "mean"):
         raise TypeError(f"{function}: op={op!r} is not defined for complex tensors ({dtype}).")
+    missing = _kernel_missing(op, dtype)
+    if missing is not None:
+        raise TypeError(
+            f"{function}: torch has no CPU kernel to reduce {dtype} tensors with op={op!r} ({missing}). "
+            "Cast to a dtype it can reduce (float32, int64, ...) first."
+        )
+
+
+_KERNELS: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def _kernel_missing(op: str, dtype: torch.dtype) -> str | None:
+    """``None`` when torch's CPU kernels reduce ``dtype`` with ``op`` as the collectives do (tried once on
+    a 2 × 2 tensor, then cached), else torch's message. Refused up front, a missing kernel cannot fail a
+    collective halfway (which leaves the communicator unusable)."""
+    key = (op, dtype)
+    if key not in _KERNELS:
+        try:
+            rows, out = torch.zeros((2, 2), dtype=dtype), torch.empty(2, dtype=dtype)
+            _reduce_rows(rows, out, op)
+            binary = pairwise(op, dtype)
+            if binary is not None:
+                binary(rows[0], rows[1], out=out)
+            if op == "mean":
+                divide_(out, 3)
+                divide_(out, 2)
+            _KERNELS[key] = None
+        except (NotImplementedError, RuntimeError, TypeError) as e:
+            _KERNELS[key] = str(e).splitlines()[0][:200]
+    return _KERNELS[key]
 
 
 def divide_(t: torch.Tensor, n: int) -> None:

@@ -105,9 +105,13 @@ two or more ranks refuses to start on a non-x86 machine without libatomic.
 **Ops and dtypes.** ``sum mean max min prod`` (comm's ops), ``avg`` (= mean), ``band bor bxor`` (integer
 and bool), or the equivalent ``dist.ReduceOp``, and ``PREMUL_SUM`` from
 ``dist._make_nccl_premul_sum(factor)`` (floats: each rank's input times the factor, then the sum; all_reduce
-scales its tensor in place first, reduce and reduce_scatter scale a copy, as their inputs are kept); any dtype torch can reduce on CPU: sums of bf16/fp16 are
-accumulated in float32 and rounded once; integers wrap like Gloo's; bool follows Gloo (sum/max/bor =
-any, prod/min/band = all, bxor = parity). Any shape, 0-d, empty, non-contiguous (through a copy).
+scales its tensor in place first, reduce and reduce_scatter scale a copy, as their inputs are kept).
+Reductions take any dtype torch can reduce on CPU with that op: sums of bf16/fp16 are accumulated in
+float32 and rounded once; integers wrap like Gloo's; bool follows Gloo (sum/max/bor = any, prod/min/band
+= all, bxor = parity). A dtype/op pair torch has no CPU kernel for (float8, most ops on uint16/32/64) is
+refused with a ``TypeError`` before the call starts (tried once on a tiny tensor, then cached), so the
+communicator stays usable; all_gather and broadcast only copy, and take any dtype. Any shape, 0-d,
+empty, non-contiguous (through a copy).
 Tensors on another device are staged through the segment by ``copy_``.
 
 **Hierarchical all-reduce** (:func:`hierarchical_all_reduce`): node-local shm reduce-scatter, a native
