@@ -3,7 +3,7 @@
 Fault injection:
 
 - ``--fail-at-step S [--fail-rank R]``: rank R SIGKILLs itself right after optimizer step S, on the first
-  attempt only (``TORCHELASTIC_RESTART_COUNT == 0``), so that ``--max-restarts`` brings the run back and the
+  attempt only (:func:`paratrain.runtime.attempt` ``== 0``), so that ``--max-restarts`` brings the run back and the
   resume path is exercised exactly like a real crash (no ``finally`` blocks, no flushing, no goodbye).
 - ``PARATRAIN_FAIL_CKPT_WRITE=R``: rank R's checkpoint writer raises while writing its data, to exercise
   the error path of (async) saves (the writer is built in :mod:`paratrain.train.trainer`, above storage).

@@ -41,7 +41,8 @@ class Context:
     """``gloo`` / ``nccl``, or ``None`` when no process group exists (world size 1 without torchrun)."""
     timeout_s: float
     restart_count: int = 0
-    """How many times the elastic agent has restarted this worker group (TORCHELASTIC_RESTART_COUNT)."""
+    """How many times the worker group was started before this one, the same on every node
+    (:func:`attempt`)."""
 
     @property
     def is_main(self) -> bool:
@@ -99,6 +100,23 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
+def attempt() -> int:
+    """Which start of the worker group this is (0: the first), the same on every node.
+
+    torch's ``TORCHELASTIC_RESTART_COUNT`` is counted by each agent: when one node's worker dies, that
+    agent counts a restart and the others, restarting for the membership change, do not (pytorch#135712),
+    so it cannot name an attempt across nodes. Under ``paratrain launch`` the rendezvous wrapper
+    (:class:`paratrain.launch.signals.GuardedRendezvous`) publishes the round's first agent's count to all
+    of them (``PARATRAIN_ATTEMPT``); otherwise the per-agent count is all there is."""
+    return _env_int("PARATRAIN_ATTEMPT", _env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def attempt_key() -> str:
+    """A store-key prefix unique to this start of the worker group and the same on every node: the
+    rendezvous round's token under ``paratrain launch`` (``PARATRAIN_ROUND_KEY``), else :func:`attempt`."""
+    return os.environ.get("PARATRAIN_ROUND_KEY") or str(attempt())
+
+
 def init(
     backend: str = "auto",
     device: str = "auto",
@@ -143,7 +161,7 @@ def init(
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # The agent's store outlives a restart of the worker group, and torch uses it without a
             # per-attempt prefix: a restarted rank would read its peers' addresses from the failed attempt
-            # and fail to connect. Prefix every key with the attempt number.
+            # and fail to connect. Prefix every key with this attempt's key, the same on every node.
             client = dist.TCPStore(
                 os.environ["MASTER_ADDR"],
                 int(os.environ["MASTER_PORT"]),
@@ -151,9 +169,7 @@ def init(
                 is_master=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-            kwargs["store"] = dist.PrefixStore(
-                f"paratrain/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", client
-            )
+            kwargs["store"] = dist.PrefixStore(f"paratrain/attempt_{attempt_key()}", client)
         dist.init_process_group(**kwargs)
     if seed is not None:
         seed_everything(seed)
@@ -165,7 +181,7 @@ def init(
         device=dev,
         backend=backend if dist.is_initialized() else None,
         timeout_s=timeout_s,
-        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        restart_count=attempt(),
     )
 
 

@@ -209,3 +209,37 @@ def test_bad_rdzv_conf_fails_before_start(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "--rdzv-conf 'keepalive=1'" in proc.stderr and "keep_alive_interval" in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing started, no run directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_resumes(tmp_path: Path) -> None:
+    """Rank 3 SIGKILLs itself on one of two agents: that agent counts a restart, the other restarts for the
+    membership change without counting one (torch's restart count is per agent). The restarted workers
+    must still find each other (one store prefix per round on every node, not per agent's count), resume
+    from the last checkpoint and finish. Several runs, since which agent restarts first is a race."""
+    for attempt in range(3):
+        port, run = free_port(), tmp_path / f"run{attempt}"
+
+        def agent(
+            node: int, port: int = port, attempt: int = attempt, run: Path = run
+        ) -> subprocess.Popen[str]:
+            return subprocess.Popen(
+                [
+                    sys.executable, "-m", "paratrain", "train", "--nnodes", "2", "--node-rank", str(node),
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"e2e-kill-{attempt}",
+                    "--nproc-per-node", "2", "--strategy", "dp", "--steps", "8", "--ckpt-every", "2",
+                    "--max-restarts", "1", "--fail-at-step", "5", "--fail-rank", "3", "--timeout", "45",
+                    "--run-dir", str(run), "--json",
+                ],
+                cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+
+        procs = [agent(0), agent(1)]
+        outs = [p.communicate(timeout=140) for p in procs]
+        for p, (_out, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, (attempt, err[-3000:])
+        summary = last_json(outs[0][0])
+        assert summary["steps"] == 8 and summary["world_size"] == 4
+        assert "fault injection: rank 3 kills itself" in outs[0][1] + outs[1][1]
+        assert "resumed from" in outs[0][1] + outs[1][1]

@@ -99,22 +99,43 @@ class StopForwarder:
 
 class GuardedRendezvous:
     """A rendezvous handler that refuses to start another round once a stop signal was received (so a
-    worker that dies while stopping does not make the agent restart the group); everything else is the
-    wrapped handler's."""
+    worker that dies while stopping does not make the agent restart the group), and gives the round's
+    workers on every node the same attempt (``PARATRAIN_ATTEMPT``) and a store prefix of their own
+    (``PARATRAIN_ROUND_KEY``); everything else is the wrapped handler's.
+
+    torch's ``TORCHELASTIC_RESTART_COUNT`` is per agent: when a worker dies on one node, that agent counts a
+    restart and the others, restarting for the membership change, do not (pytorch#135712). Workers that
+    prefixed their store keys with it then waited for each other under different prefixes until the
+    timeout. Here the round's first agent (rank 0 of the rendezvous) writes its count and a fresh token
+    into the round's store; every agent reads them and puts them in its environment, which the workers
+    it starts next inherit (:func:`paratrain.runtime.attempt`, :func:`~paratrain.runtime.attempt_key`)."""
 
     def __init__(self, inner: Any, name: str, stop: StopForwarder) -> None:
         self._inner, self._name, self._stop = inner, name, stop
+        self._rounds = 0
 
     def next_rendezvous(self) -> Any:
         if self._stop.received is not None:
             raise self._stop.teardown(self._stop.received)
-        return self._inner.next_rendezvous()
+        info = self._inner.next_rendezvous()
+        self._rounds += 1
+        store, rank = (info.store, info.rank) if hasattr(info, "store") else (info[0], info[1])
+        if rank == 0:
+            store.set(ROUND_KEY, f"{self._rounds - 1} {uuid.uuid4().hex[:12]}")
+        count, token = store.get(ROUND_KEY).decode().split()  # waits for rank 0's
+        os.environ["PARATRAIN_ATTEMPT"] = count
+        os.environ["PARATRAIN_ROUND_KEY"] = f"{count}-{token}"
+        return info
 
     def get_backend(self) -> str:
         return self._name
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._inner, attr)
+
+
+ROUND_KEY = "paratrain/round"
+"""Key of the round's store (prefixed per round by torch's c10d rendezvous) that rank 0 writes the attempt to."""
 
 
 def guarded_backend(backend: str, stop: StopForwarder) -> str:

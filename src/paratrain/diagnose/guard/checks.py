@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from paratrain.diagnose.guard.analysis import ranks_text
 from paratrain.diagnose.guard.desync import tensor_digest
+from paratrain.runtime import attempt
 
 FIXES = {
     "no-distributed-sampler": "give the DataLoader sampler=DistributedSampler(dataset) (and no shuffle=True), so "
@@ -49,8 +50,7 @@ def once(key: str) -> bool:
     if dist.is_initialized():
         try:
             store = dist.distributed_c10d._get_default_store()
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            return int(store.add(f"paratrain/guard/{restart}/once/{key}", 1)) == 1
+            return int(store.add(f"paratrain/guard/{attempt()}/once/{key}", 1)) == 1
         except Exception:
             return True
     return True
@@ -157,7 +157,7 @@ def _store() -> Any:
 
 
 def _prefix() -> str:
-    return f"paratrain/guard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return f"paratrain/guard/{attempt()}/"
 
 
 def compare_inputs() -> bool:

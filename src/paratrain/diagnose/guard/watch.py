@@ -24,6 +24,7 @@ from typing import Any
 from paratrain.diagnose.guard import analysis
 from paratrain.diagnose.guard.record import RankView, RecordWriter, parse
 from paratrain.diagnose.guard.recorder import _Sites
+from paratrain.runtime import attempt
 
 
 class Watcher:
@@ -52,8 +53,7 @@ class Watcher:
 
     def use_store(self, store: Any, rank: int, world: int, hang_timeout: float, report: Any) -> None:
         """Switch on store mode (after ``init_process_group``). ``report(message)`` prints a finding once."""
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"paratrain/guard/{restart}/"
+        self._prefix = f"paratrain/guard/{attempt()}/"
         self.rank, self.world, self.hang_timeout, self.report = rank, world, hang_timeout, report
         self.store = store
         self._publish(force=True)
