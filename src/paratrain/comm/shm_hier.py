@@ -34,37 +34,45 @@ def node_key() -> str:
     return f"{info['host']}/{info['boot']}/{os.environ.get('GROUP_RANK', '')}"
 
 
-def node_groups(group: Any = None) -> tuple[Any, Any] | None:
-    """``(intra, inter)`` groups for :func:`hierarchical_all_reduce` when the ranks of ``group`` are on
-    several nodes (:func:`node_key`), ``None`` when they are all on one. Collective over the *default*
-    group (it gathers every rank's node and creates groups): every rank of the job calls it, in the same
-    order. The nodes must hold the same number of the group's ranks, numbered node by node (torchrun's
-    order); otherwise ``ValueError`` naming the layout."""
+def nodes_of(group: Any = None) -> list[list[int]]:
+    """The global ranks of ``group`` per node (:func:`node_key`), nodes in order of their first rank.
+    Collective over the *default* group (every rank of the job calls it): it gathers every rank's node."""
     if not dist.is_initialized():
-        return None
+        return [[0]]
     keys: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(keys, node_key())
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(keys)))
-    nodes = list(dict.fromkeys(keys[g] for g in ranks))
+    by_node: dict[Any, list[int]] = {}
+    for g in ranks:
+        by_node.setdefault(keys[g], []).append(g)
+    return list(by_node.values())
+
+
+def node_groups(group: Any = None) -> tuple[Any, Any] | None:
+    """``(intra, inter)`` groups for :func:`hierarchical_all_reduce` when the ranks of ``group`` are on
+    several nodes (:func:`nodes_of`), ``None`` when they are all on one. Collective over the *default*
+    group: every rank of the job calls it, in the same order. The nodes must hold the same number of the
+    group's ranks, numbered node by node (torchrun's order); otherwise ``ValueError`` naming the layout."""
+    nodes = nodes_of(group)
     if len(nodes) == 1:
         return None
-    local = len(ranks) // len(nodes)
-    expected = [nodes[i // local] for i in range(len(ranks))] if len(ranks) % len(nodes) == 0 else None
-    if expected != [keys[g] for g in ranks]:
-        layout = "; ".join(
-            f"node {i}: ranks {[g for g in ranks if keys[g] == k]}" for i, k in enumerate(nodes)
-        )
+    ranks = [g for node in nodes for g in node]
+    local = len(nodes[0])
+    if any(len(node) != local for node in nodes) or ranks != sorted(ranks):
+        layout = "; ".join(f"node {i}: ranks {node}" for i, node in enumerate(nodes))
         raise ValueError(
             f"shm across nodes: the hierarchical all-reduce needs the same number of ranks on every node, "
             f"numbered node by node (as torchrun numbers them), but the group's ranks are laid out as "
             f"{layout}. Launch the same --nproc-per-node on every node, or use --comm-algorithm native."
         )
-    intra, _ = dist.new_subgroups_by_enumeration(
-        [[ranks[i * local + j] for j in range(local)] for i in range(len(nodes))]
-    )
-    inter, _ = dist.new_subgroups_by_enumeration(
-        [[ranks[i * local + j] for i in range(len(nodes))] for j in range(local)]
-    )
+    return _groups(nodes)
+
+
+def _groups(nodes: list[list[int]]) -> tuple[Any, Any]:
+    """Create (collectively) one group per node and one per local index across the nodes; return this
+    rank's two."""
+    intra, _ = dist.new_subgroups_by_enumeration(nodes)
+    inter, _ = dist.new_subgroups_by_enumeration([list(column) for column in zip(*nodes, strict=True)])
     return intra, inter
 
 
@@ -72,6 +80,13 @@ class HierarchicalAllReduce:
     """An all-reduce over several nodes with :class:`~paratrain.comm.shm.ShmCommunicator`'s interface
     (``all_reduce``, ``size``, ``close``): shm inside the node through a communicator of its own over
     ``intra_group`` (created here: collective over the node), the native backend over ``inter_group``."""
+
+    @classmethod
+    def for_group(cls, group: Any = None, **shm_kwargs: Any) -> HierarchicalAllReduce | None:
+        """One over ``group`` when its ranks are on several nodes (:func:`node_groups`), else ``None``.
+        Collective over the default group."""
+        groups = node_groups(group)
+        return None if groups is None else cls(*groups, **shm_kwargs)
 
     def __init__(self, intra_group: Any, inter_group: Any, **shm_kwargs: Any) -> None:
         from paratrain.comm.shm import ShmCommunicator  # shm re-exports this module: import at call time
@@ -109,14 +124,7 @@ def make_hierarchical_groups(local_size: int | None = None) -> tuple[Any, Any]:
         raise ValueError(
             f"make_hierarchical_groups: local size {local} does not divide the world size {world}."
         )
-    nodes = world // local
-    intra, _ = dist.new_subgroups_by_enumeration(
-        [[i * local + j for j in range(local)] for i in range(nodes)]
-    )
-    inter, _ = dist.new_subgroups_by_enumeration(
-        [[i * local + j for i in range(nodes)] for j in range(local)]
-    )
-    return intra, inter
+    return _groups([[i * local + j for j in range(local)] for i in range(world // local)])
 
 
 @torch.no_grad()

@@ -58,7 +58,7 @@ from torch import nn
 
 from paratrain import comm
 from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
-from paratrain.comm.shm_hier import HierarchicalAllReduce, node_groups
+from paratrain.comm.shm_hier import HierarchicalAllReduce
 from paratrain.config import COMM_ALGORITHMS
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
@@ -199,9 +199,9 @@ class GradReducer:
         """``shm`` zero-copy path: the communicator whose arena holds the buckets (``None``: copying)."""
         self.hierarchical: HierarchicalAllReduce | None = None
         """``shm`` over several nodes: shm inside each node, the backend between them (no zero-copy)."""
-        nodes = node_groups(self.group) if algorithm == "shm" else None  # collective
-        if nodes is not None:
-            hier = self.hierarchical = HierarchicalAllReduce(*nodes)
+        hier = HierarchicalAllReduce.for_group(self.group) if algorithm == "shm" else None  # collective
+        if hier is not None:
+            self.hierarchical = hier
             get_logger().info("dp --comm-algorithm shm: %s", hier.describe())
             self._p2p = lambda buf, _group, _alg: hier.all_reduce(buf, "sum")
         elif algorithm == "shm" and zero_copy:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from paratrain.comm.shm_hier import HierarchicalAllReduce, node_groups
+from paratrain.comm.shm_hier import HierarchicalAllReduce
 from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
 from paratrain.parallel.layers import SyncBatchNorm
 from paratrain.parallel.registry import register_strategy
@@ -149,11 +149,10 @@ class NativeDDP(Strategy):
             find_unused_parameters=self.config.find_unused_parameters,
         )
         if self.config.comm_algorithm == "shm":  # every bucket through shared memory (collective)
-            nodes = node_groups(self.dp_group)  # several nodes: shm inside each, the backend between them
-            if nodes is None:
+            hier = HierarchicalAllReduce.for_group(self.dp_group)  # several nodes: shm inside each
+            if hier is None:
                 self.hook_state = ShmHookState.create(self.dp_group)
             else:
-                hier = HierarchicalAllReduce(*nodes)
                 self.hook_state = ShmHookState(hier)
                 get_logger().info("ddp --comm-algorithm shm: %s", hier.describe())
             ddp.register_comm_hook(self.hook_state, shm_allreduce_hook)

@@ -72,7 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.shm import ShmCommunicator
-from paratrain.comm.shm_hier import node_groups
+from paratrain.comm.shm_hier import nodes_of
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.optim import clone_optimizer
@@ -151,7 +151,7 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         self.shm: ShmCommunicator | None = None
         self._executor: ThreadPoolExecutor | None = None
         if comm_algorithm == "shm" and self.world > 1:  # collective: every rank of the group creates it
-            if node_groups(group) is not None:
+            if len(nodes_of(group)) > 1:
                 raise ConfigError(
                     f"--comm-algorithm shm: ZeRO's reduce-scatter and all-gather through shared memory reach "
                     f"the ranks of one node, and this run's {self.world} ranks are on several. Use "
