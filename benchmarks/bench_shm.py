@@ -15,7 +15,9 @@ a property of Gloo's barrier and not of the collective, is spread over K calls i
 each). Each row also has the CPU seconds of the call summed over the ranks (``time.process_time``, every
 thread of a rank: Gloo's own threads included), which on a loaded machine shows the work a call does more
 steadily than its wall time (the scheduler shares cores per thread, and Gloo uses several). ``--runs R``
-repeats everything in fresh process groups (rows carry ``run``).
+repeats everything in fresh process groups (rows carry ``run``). ``--cpu-bind cores`` pins rank r to its
+block of cores as ``paratrain launch --cpu-bind cores`` does; ``both`` runs every run unpinned, then pinned
+(rows carry ``cpu_bind``), so the two are measured side by side.
 
 busbw = algbw × 2(n−1)/n for all_reduce and × (n−1)/n for reduce_scatter / all_gather, S the tensor (the
 whole input of reduce_scatter, the whole output of all_gather): nccl-tests' definitions, from
@@ -58,6 +60,7 @@ import torch.distributed as dist
 
 from paratrain.comm._shm_segment import DIRECT_BLOCK_BYTES
 from paratrain.comm.cost import busbw
+from paratrain.launch.cpu_bind import allowed_cores, core_blocks
 from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -177,6 +180,8 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from paratrain.comm import shm
 
     n = dist.get_world_size()
+    if spec["bind"]:  # as `paratrain launch --cpu-bind cores` places local rank r
+        os.sched_setaffinity(0, core_blocks(allowed_cores(), n)[dist.get_rank()])
     zero_copy = "shm-zero-copy" in spec["algorithms"]
     c = shm.ShmCommunicator(
         capacity_bytes=spec["capacity"],
@@ -250,12 +255,14 @@ def tables(result: dict[str, Any]) -> str:
     out = []
     cores = result["machine"]["cores"]
     runs = sorted({r.get("run", 0) for r in result["rows"]})
-    for run, n in ((run, n) for run in runs for n in result["world_sizes"]):
+    binds = sorted({r.get("cpu_bind", False) for r in result["rows"]})
+    for run, n, bind in ((run, n, b) for run in runs for n in result["world_sizes"] for b in binds):
         limit = shm_limit(result["membw"], n, cores)
         for collective in result["collectives"]:
             rows = [
                 r for r in result["rows"]
                 if r["world_size"] == n and r["collective"] == collective and r.get("run", 0) == run
+                and r.get("cpu_bind", False) == bind
             ]  # fmt: skip
             if not rows:
                 continue
@@ -264,7 +271,8 @@ def tables(result: dict[str, Any]) -> str:
             head = "| S | " + " | ".join(f"{a} ms (busbw GB/s)" for a in algs) + " | shm / native busbw |"
             lines = [
                 f"### {collective}, {n} ranks on {cores} cores"
-                + (f", run {run + 1}" if len(runs) > 1 else ""),
+                + (f", run {run + 1}" if len(runs) > 1 else "")
+                + (", pinned (--cpu-bind cores)" if bind else ""),
                 "",
                 head,
                 "|" + "---|" * (len(algs) + 2),
@@ -344,6 +352,11 @@ def main() -> None:
         default=DIRECT_BLOCK_BYTES,
         help="shm direct-path block bytes, all peers together (1 MiB)",
     )
+    parser.add_argument(
+        "--cpu-bind", choices=("none", "cores", "both"), default="none",
+        help="pin the ranks to cores as `paratrain launch --cpu-bind cores` does (every algorithm alike); "
+        "both: each run twice, unpinned then pinned",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: 4KB,1MB,16MB, 3 iterations")
     parser.add_argument("--json", action="store_true", help="write the raw rows to --out and print them")
     parser.add_argument("--out", type=Path, default=RESULTS / "shm.json")
@@ -383,13 +396,18 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     env = {"OMP_NUM_THREADS": "1"}
     load_before = os.getloadavg()
+    binds = {"none": [False], "cores": [True], "both": [False, True]}[args.cpu_bind]
     for run in range(args.runs):  # each run: fresh process groups and segments
         for n in world_sizes:
-            print(f"run {run + 1}/{args.runs}: {n} ranks ...", file=sys.stderr, flush=True)
-            rows += [
-                {**row, "run": run}
-                for row in run_distributed(_worker, n, args=(spec,), timeout_s=7200, env=env)[0]
-            ]
+            for bind in binds:
+                print(f"run {run + 1}/{args.runs}: {n} ranks{' pinned' if bind else ''} ...", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                rows += [
+                    {**row, "run": run, "cpu_bind": bind}
+                    for row in run_distributed(
+                        _worker, n, args=({**spec, "bind": bind},), timeout_s=7200, env=env
+                    )[0]
+                ]
     result = {
         "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "python": platform.python_version()},
@@ -398,7 +416,7 @@ def main() -> None:
         "direct_all_reduce_limit_GBps": {
             str(n): direct_limit(membw, n, os.cpu_count() or 1) for n in world_sizes
         },
-        "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "rows": rows,
+        "cpu_bind": args.cpu_bind, "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "rows": rows,
     }  # fmt: skip
     if args.plot:
         plot(result, args.plot)

@@ -400,6 +400,11 @@ class LaunchConfig:
     """Process-group timeout in seconds: a collective waiting longer fails, naming what it waited for."""
     device: str = option("auto", choices=("auto", "cpu", "cuda"))
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    cpu_bind: str = option("none", scope=_BOTH, choices=("none", "cores"))
+    """``cores``: pin each worker to its own equal block of the cores the launcher may use (its CPU affinity,
+    so a Slurm cpuset or ``taskset`` holds), local rank r on block r, with ``OMP_NUM_THREADS`` the block's
+    size unless set; with more workers than cores, local rank r on core ``r mod cores``. Linux only.
+    ``none``: the OS places the workers."""
     fail_at_step: int | None = option(None)
     """Fault injection: rank ``fail_rank`` SIGKILLs itself after this optimizer step, on the first attempt only."""
     fail_rank: int = option(0)
@@ -415,6 +420,7 @@ class LaunchConfig:
         _check_choice("launch", "backend", self.backend, ["auto", "gloo", "nccl"])
         _check_choice("launch", "device", self.device, ["auto", "cpu", "cuda"])
         _check_choice("launch", "rdzv_backend", self.rdzv_backend, ["c10d", "static"])
+        _check_choice("launch", "cpu_bind", self.cpu_bind, ["none", "cores"])
         _check_positive("launch", "timeout_s", self.timeout_s)
         if self.max_restarts < 0:
             raise ConfigError(f"launch.max_restarts must be >= 0, got {self.max_restarts!r}.")

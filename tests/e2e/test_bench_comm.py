@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -28,10 +29,14 @@ def test_bench_comm_json_and_plot(tmp_path: Path) -> None:
         "3",
         "--warmup",
         "1",
+        "--cpu-bind",
+        "cores",
     ]
     proc = run_cli("bench", "comm", *args, "--json", "--plot", str(png), cwd=tmp_path, timeout=220)
     result = last_json(proc.stdout)
     assert result["world_size"] == 2 and result["backend"] == "gloo"
+    mine = sorted(os.sched_getaffinity(0))  # rank 0 is pinned to the first half of the launcher's cores
+    assert result["cpu_bind"] == "cores" and result["rank0_cores"] == mine[: max(1, len(mine) // 2)]
     rows = {(r["collective"], r["algorithm"], r["bytes"]): r for r in result["results"]}
     expected = {(c, a, s) for c in COLLECTIVES for a in comm.ALGORITHMS[c] for s in (1024, 65536)}
     assert set(rows) == expected

@@ -92,3 +92,62 @@ def test_two_agents_form_one_multinode_job_over_loopback(tmp_path: Path) -> None
                               cwd=tmp_path, timeout=100).stdout)  # fmt: skip
     assert local["world_size"] == 2 and local["losses"] == s["losses"]
     assert local["param_sha256"] == s["param_sha256"]
+
+
+AFFINITY = """
+import json, os, sys
+import torch
+sys.stdout.write(json.dumps({"rank": int(os.environ["LOCAL_RANK"]), "cores": sorted(os.sched_getaffinity(0)),
+                             "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads(),
+                             "main": __name__ == "__main__", "argv": sys.argv[1:],
+                             "blocks_env": os.environ.get("PARATRAIN_CPU_BLOCKS")}) + "\\n")
+sys.stdout.flush()
+"""
+
+
+def _affinity_run(tmp_path: Path, nproc: int, cores: list[int], *flags: str) -> list[dict]:
+    """``paratrain launch`` started on ``cores`` only (as under taskset or a Slurm cpuset), with no
+    OMP_NUM_THREADS of its own; each rank's view of itself, by local rank."""
+    import json
+    import os
+
+    script = tmp_path / "affinity.py"
+    script.write_text(AFFINITY)
+    env = {k: v for k, v in cli_env().items() if k != "OMP_NUM_THREADS"}
+    env["PARATRAIN_CPU_BLOCKS"] = "0;0;0"  # left over from an outer launch: must not leak into this one
+    proc = subprocess.run(
+        [sys.executable, "-m", "paratrain", "launch", "--nproc-per-node", str(nproc), *flags, str(script), "x"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted(
+        (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda r: r["rank"]
+    )
+    assert [r["rank"] for r in rows] == list(range(nproc)), proc.stdout
+    assert all(r["main"] and r["argv"] == ["x"] for r in rows)  # the script runs as itself
+    return rows
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_cpu_bind_pins_each_worker_to_its_block_of_the_launchers_cores(tmp_path: Path) -> None:
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    # two ranks on all of this process's cores: one half each when there are two or more
+    rows = _affinity_run(tmp_path, 2, mine, "--cpu-bind", "cores")
+    if len(mine) >= 2:
+        half = len(mine) // 2
+        assert [r["cores"] for r in rows] == [mine[:half], mine[half : 2 * half]]
+        assert all(r["omp"] == str(half) and r["threads"] == half for r in rows)
+    else:
+        assert [r["cores"] for r in rows] == [mine, mine]
+    # the launcher confined to its last core: every rank stays there (the launcher's affinity holds)
+    rows = _affinity_run(tmp_path, 3, mine[-1:], "--cpu-bind", "cores")
+    assert [r["cores"] for r in rows] == [mine[-1:]] * 3
+    assert all(r["omp"] == "1" and r["threads"] == 1 for r in rows)
+    # without it the workers inherit the launcher's cores, and the outer launch's blocks do not leak in
+    rows = _affinity_run(tmp_path, 2, mine)
+    assert all(r["cores"] == mine and r["blocks_env"] is None for r in rows)
+    assert all(r["omp"] == str(max(1, len(mine) // 2)) for r in rows)

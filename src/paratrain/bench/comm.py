@@ -112,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else Gloo), gloo or nccl")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    parser.add_argument(
+        "--cpu-bind", default="none", choices=("none", "cores"),
+        help="cores: pin each rank to its own block of cores, as paratrain launch --cpu-bind cores",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument(
         "--plot", default=None, metavar="PNG", help="draw busbw against size, one line per algorithm"
@@ -134,8 +138,9 @@ def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchConfig]:
     if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
         raise ConfigError(f"--plot {args.plot}: directory {Path(args.plot).parent} does not exist.")
     launch = LaunchConfig(
-        nproc_per_node=args.nproc_per_node, backend=args.backend, device=args.device, timeout_s=args.timeout
-    )
+        nproc_per_node=args.nproc_per_node, backend=args.backend, device=args.device, timeout_s=args.timeout,
+        cpu_bind=args.cpu_bind,
+    )  # fmt: skip
     spec = {
         "collectives": collectives,
         "algorithms": algorithms,
@@ -147,6 +152,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchConfig]:
         "backend": args.backend,
         "device": args.device,
         "timeout_s": args.timeout,
+        "cpu_bind": args.cpu_bind,
     }
     return spec, launch
 

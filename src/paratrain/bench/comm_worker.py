@@ -201,6 +201,8 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
         "op": op,
         "iters": spec["iters"],
         "warmup": spec["warmup"],
+        "cpu_bind": spec.get("cpu_bind", "none"),
+        "rank0_cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "model": {
             "alpha_s": model.alpha,
             "beta_s_per_byte": model.beta,

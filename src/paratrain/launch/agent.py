@@ -24,6 +24,7 @@ from typing import Any
 
 from paratrain.config import LaunchConfig
 from paratrain.errors import ConfigError
+from paratrain.launch import cpu_bind
 from paratrain.launch.failures import LaunchError, format_failure, read_failures
 from paratrain.launch.rendezvous import (
     LOOPBACK_BACKEND,
@@ -65,6 +66,11 @@ def preflight(launch: LaunchConfig) -> None:
         )
     if launch.device == "cuda" and gpus == 0:
         raise ConfigError("launch.device='cuda' but no CUDA GPU is visible. Use --set launch.device=cpu.")
+    if launch.cpu_bind != "none" and not cpu_bind.supported():
+        raise ConfigError(
+            f"--cpu-bind {launch.cpu_bind} pins workers with os.sched_setaffinity, which {sys.platform} does "
+            "not have (Linux does). Leave it out (--cpu-bind none)."
+        )
     parse_rdzv_conf(launch.rdzv_conf)
     explicit_port = launch.master_port is not None and launch.rdzv_endpoint is None
     if explicit_port and port_in_use("127.0.0.1", launch.master_port):  # type: ignore[arg-type]
@@ -146,9 +152,10 @@ def _elastic_config(launch: LaunchConfig, nproc: int) -> Any:
 
 
 def _worker_env(nproc: int, loopback_only: bool = False) -> None:
-    # Two ranks each spinning up one OpenMP thread per core would oversubscribe a small CPU machine.
+    # Two ranks each spinning up one OpenMP thread per core would oversubscribe a small CPU machine. The
+    # cores counted are the ones this process may use (a Slurm cpuset, taskset), as --cpu-bind's blocks.
     if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(cpu_bind.allowed_cores()) // nproc))
     os.environ["PARATRAIN_LAUNCHER_PID"] = str(os.getpid())  # workers exit when this process dies
     if loopback_only and sys.platform.startswith("linux"):
         # Gloo and NCCL pick their listening interface from the hostname, which usually resolves to a
@@ -157,6 +164,19 @@ def _worker_env(nproc: int, loopback_only: bool = False) -> None:
         if lo is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+def _bound_entry(entry: list[str], mode: str, nproc: int) -> list[str]:
+    """``--cpu-bind cores``: the workers start through ``cpu_bind.py``, which pins each to its block of
+    cores and then execs ``entry``; the blocks travel in the environment."""
+    os.environ.pop(cpu_bind.BLOCKS_ENV, None)  # not inherited from an outer launch
+    if mode == "none":
+        return entry
+    cores = cpu_bind.allowed_cores()
+    blocks = cpu_bind.core_blocks(cores, nproc)
+    os.environ[cpu_bind.BLOCKS_ENV] = cpu_bind.encode(blocks)
+    print(f"paratrain: {cpu_bind.describe(blocks, cores)}", file=sys.stderr)
+    return ["-S", os.path.abspath(cpu_bind.__file__), *entry]
 
 
 def _quiet_agent_logs() -> None:
@@ -181,11 +201,12 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     preflight(launch)
     nproc = resolve_nproc(launch)
     _worker_env(nproc, loopback_only=is_loopback_job(launch))
-    cores = os.cpu_count() or 1
+    cores = len(cpu_bind.allowed_cores())
     if nproc > cores:  # once per launch: run() starts one worker group
         print(f"paratrain: warning: {nproc} processes on {cores} CPU core(s): the cores are oversubscribed, "
               "so every rank waits for the others to be scheduled (fine for tests, slow for training).",
               file=sys.stderr)  # fmt: skip
+    entry = _bound_entry(list(entry), launch.cpu_bind, nproc)
     if quiet:
         _quiet_agent_logs()
     config = _elastic_config(launch, nproc)
