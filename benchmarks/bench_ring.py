@@ -42,18 +42,23 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.cost import busbw
+from paratrain.launch.cpu_bind import allowed_cores, core_blocks
 from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1 << 20
 
 
-def _worker(sizes: list[int], iters: int, warmup: int, back_to_back: int = 1) -> dict[str, Any]:
+def _worker(
+    sizes: list[int], iters: int, warmup: int, back_to_back: int = 1, bind: bool = False
+) -> dict[str, Any]:
     from paratrain.comm import ring
     from paratrain.comm._common import peers
 
     torch.set_num_threads(1)
     p, n = peers("bench", None), dist.get_world_size()
+    if bind:  # as `paratrain launch --cpu-bind cores` places local rank r
+        os.sched_setaffinity(0, core_blocks(allowed_cores(), n)[dist.get_rank()])
     out: dict[str, Any] = {}
     for size in sizes:
         x = torch.zeros(size // 4)
@@ -107,6 +112,10 @@ def main() -> None:
         "--back-to-back", type=int, default=1, metavar="K",
         help="time K calls in a row per sample after one barrier (time per call; default 1: each call alone)",
     )  # fmt: skip
+    ap.add_argument(
+        "--cpu-bind", choices=("none", "cores", "both"), default="none",
+        help="pin the ranks as `paratrain launch --cpu-bind cores` does; both: each run unpinned, then pinned",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "ring16.json")
     args = ap.parse_args()
@@ -114,16 +123,17 @@ def main() -> None:
         raise SystemExit("--back-to-back, --runs and --iters must be at least 1")
     sizes = [int(s) * MB for s in args.sizes.split(",")]
     runs = []
-    for r in range(args.runs):
+    binds = {"none": [False], "cores": [True], "both": [False, True]}[args.cpu_bind]
+    for r, bind in ((r, b) for r in range(args.runs) for b in binds):
         load = os.getloadavg()[0]
         res = run_distributed(
-            _worker, args.ranks, args=(sizes, args.iters, args.warmup, args.back_to_back), timeout_s=1800,
-            env={"OMP_NUM_THREADS": "1"},
+            _worker, args.ranks, args=(sizes, args.iters, args.warmup, args.back_to_back, bind),
+            timeout_s=1800, env={"OMP_NUM_THREADS": "1"},
         )[0]  # fmt: skip
-        runs.append({"load_avg_before": load, "load_avg": os.getloadavg()[0], "sizes": res})
+        runs.append({"load_avg_before": load, "load_avg": os.getloadavg()[0], "cpu_bind": bind, "sizes": res})
         for s, row in res.items():
             print(
-                f"run {r + 1}, {int(s) // MB} MB: "
+                f"run {r + 1}{' pinned' if bind else ''}, {int(s) // MB} MB: "
                 + ", ".join(
                     f"{k} {v['time_s'] * 1e3:.1f} ms ({v['vs_native']:.2f}x native)" for k, v in row.items()
                 ),
