@@ -95,11 +95,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from paratrain.launch import LaunchError, run_module, run_script
 
     if args.slurm:
-        from paratrain.launch.slurm import sbatch_script
+        from paratrain.config import cli_options
+        from paratrain.launch.slurm import sbatch_script, srun_flags
 
         command = (["-m"] if args.module else []) + [args.script, *args.script_args]
+        given = {o.key: getattr(args, o.dest) for o in cli_options(LAUNCH, ["launch"])
+                 if o.key != "max_restarts" and getattr(args, o.dest, None) is not None}  # fmt: skip
+        guard = ["--guard", "--hang-timeout", str(args.hang_timeout), "--check-desync-every",
+                 str(args.check_desync_every)] if args.guard else []  # fmt: skip
         print(sbatch_script(args.nodes, args.gpus_per_node, command, time_limit=args.time,
-                            max_restarts=args.launch__max_restarts or 3), end="")  # fmt: skip
+                            max_restarts=args.launch__max_restarts or 3,
+                            flags=srun_flags(given, guard)), end="")  # fmt: skip
         return 0
     launch: LaunchConfig = apply_arguments(RunConfig(), args, LAUNCH).launch
     if args.guard:

@@ -260,6 +260,33 @@ def test_cli_prints_sbatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=3" in out and "train.py --x 1" in out
 
 
+def test_cli_sbatch_passes_the_agents_flags_on_and_refuses_the_ones_it_sets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from paratrain.cli import main
+
+    argv = ["launch", "--slurm", "--nodes", "2", "--gpus-per-node", "2", "--cpu-bind", "cores",
+            "--rdzv-conf", "last_call_timeout=5", "--guard", "--hang-timeout", "30", "train.py", "--x", "1"]  # fmt: skip
+    assert main(argv) == 0
+    srun = capsys.readouterr().out.split("srun ", 1)[1]
+    for needle in ("--cpu-bind cores \\", "--rdzv-conf last_call_timeout=5 \\", "--guard \\",
+                   "--hang-timeout 30.0 \\", "train.py --x 1"):  # fmt: skip
+        assert needle in srun, srun
+    assert srun.index("--cpu-bind") < srun.index("train.py")  # the agent's flags, not the script's
+    # paratrain train as the agent takes them too
+    assert main(["launch", "--slurm", "--cpu-bind", "cores", "train", "--strategy", "zero3"]) == 0
+    srun = capsys.readouterr().out.split("srun ", 1)[1]
+    assert "paratrain train" in srun and srun.index("--cpu-bind cores") < srun.index("--strategy zero3")
+    # flags the script sets itself from the allocation: refused, naming what to give instead
+    for flags, instead in ((["--nnodes", "3"], "give --nodes"), (["--nproc-per-node", "2"], "give --gpus-per-node"),
+                           (["--rdzv-endpoint", "h:1"], "leave it out"), (["--master-port", "1234"], "leave it out")):  # fmt: skip
+        assert main(["launch", "--slurm", *flags, "train.py"]) == 2
+        err = capsys.readouterr().err
+        assert flags[0] in err and instead in err, err
+    assert main(["launch", "--slurm", "--guard", "train"]) == 2
+    assert "Put train's flags after `train`" in capsys.readouterr().err
+
+
 def test_launch_config_standalone_is_loopback_and_multinode_needs_endpoint(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

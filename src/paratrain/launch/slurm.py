@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from paratrain.config import LaunchConfig
 from paratrain.errors import ConfigError
@@ -95,6 +96,38 @@ def apply(launch: LaunchConfig, env: Mapping[str, str] | None = None) -> LaunchC
     )
 
 
+_SET_BY_SCRIPT = {
+    "nproc_per_node": "--gpus-per-node",
+    "nnodes": "--nodes",
+    "node_rank": None,
+    "rdzv_endpoint": None,
+    "rdzv_id": None,
+    "rdzv_backend": None,
+    "master_port": None,
+}
+"""Launch flags the sbatch script sets itself (from the allocation, or from the --slurm flag named)."""
+
+
+def srun_flags(given: Mapping[str, Any], guard: Sequence[str] = ()) -> list[str]:
+    """The agent's flags for the script's ``srun`` line, from the launch options the user gave
+    (``{key: value}``, keys of :class:`LaunchConfig`; ``max_restarts`` is :func:`sbatch_script`'s own)
+    and the guard flags. A flag the script sets itself is refused, naming what to use instead: silently
+    dropping it would run a different job than the one asked for."""
+    for key, value in given.items():
+        if key in _SET_BY_SCRIPT:
+            flag = "--" + key.replace("_", "-")
+            instead = _SET_BY_SCRIPT[key]
+            how = f"give {instead} instead" if instead else "leave it out"
+            raise ConfigError(
+                f"--slurm with {flag} {value}: the sbatch script sets {flag} itself from the allocation; {how}."
+            )
+    out = list(guard)
+    for key in ("rdzv_conf", "cpu_bind"):
+        if given.get(key) is not None:
+            out += ["--" + key.replace("_", "-"), str(given[key])]
+    return out
+
+
 def sbatch_script(
     nodes: int,
     gpus_per_node: int,
@@ -104,8 +137,10 @@ def sbatch_script(
     port: int = DEFAULT_PORT,
     max_restarts: int = 3,
     partition: str | None = None,
+    flags: Sequence[str] = (),
 ) -> str:
-    """A complete ``sbatch`` script running ``paratrain launch ... COMMAND`` on ``nodes`` nodes."""
+    """A complete ``sbatch`` script running ``paratrain launch ... COMMAND`` on ``nodes`` nodes; ``flags``
+    (from :func:`srun_flags`) go to the agent on every node."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes and --gpus-per-node must be >= 1 (got {nodes}, {gpus_per_node}).")
     if not command:
@@ -120,6 +155,13 @@ def sbatch_script(
     else:
         launcher = "paratrain launch"
     backend_line = "" if launcher == "paratrain train" else "    --rdzv-backend c10d \\\n"
+    if launcher == "paratrain train" and any(f.startswith(("--guard", "--hang-timeout")) for f in flags):
+        raise ConfigError(
+            "--slurm ... train with --guard: --guard checks a script; paratrain train has its own checks "
+            "(e.g. --check-desync-every K). Put train's flags after `train`."
+        )
+    extra = "".join(f"    {shlex.quote(a)} {shlex.quote(b)} \\\n" if b is not None else f"    {a} \\\n"
+                    for a, b in _pairs(flags))  # fmt: skip
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
@@ -146,5 +188,19 @@ srun --kill-on-bad-exit=1 {launcher} \\
 {backend_line}    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\
     --rdzv-id "slurm-$SLURM_JOB_ID" \\
     --max-restarts {max_restarts} \\
-    {cmd}
+{extra}    {cmd}
 """
+
+
+def _pairs(flags: Sequence[str]) -> list[tuple[str, str | None]]:
+    """``["--a", "1", "--b", "--c", "x"]`` as ``[("--a", "1"), ("--b", None), ("--c", "x")]``."""
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(flags):
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            out.append((flags[i], flags[i + 1]))
+            i += 2
+        else:
+            out.append((flags[i], None))
+            i += 1
+    return out
