@@ -60,6 +60,18 @@ BAD = {
         ["--strategy", "pp", "--nproc-per-node", "2", "--set", "model.tie_embeddings=true"],
         "tie_embeddings",
     ),
+    "tied+tp": (
+        ["--strategy", "fsdp+tp", "--nproc-per-node", "2", "--tp", "2", "--set", "model.tie_embeddings=true"],
+        "cannot share one weight (model.tie_embeddings=true)",
+    ),
+    "ffn": (
+        ["--strategy", "tp", "--nproc-per-node", "2", "--set", "model.ffn_hidden=191"],
+        "does not divide the feed-forward width (model.ffn_hidden=191)",
+    ),
+    "seq-len/sp": (
+        ["--strategy", "tp", "--nproc-per-node", "2", "--seq-len", "33"],
+        "--seq-len 33 does not split into --tp 2 equal parts",
+    ),
 }
 
 

@@ -259,6 +259,7 @@ def preflight_train(cfg: Any, world: int, strategy: Any) -> None:
             raise ConfigError(
                 f"--nnodes {launch.nnodes}: at {nodes} node(s) (world size {size}): {e}"
             ) from None
+    _check_sequence_split(cfg, world, strategy)
     if launch.fail_at_step is not None and launch.fail_rank >= world:
         raise ConfigError(
             f"--fail-rank {launch.fail_rank} does not exist: the world size is {world} "
@@ -271,6 +272,19 @@ def preflight_train(cfg: Any, world: int, strategy: Any) -> None:
                 "shared filesystem) to every node, or --rdzv-id ID to use runs/ID."
             )
         cfg.train.run_dir = os.path.join("runs", launch.rdzv_id)
+
+
+def _check_sequence_split(cfg: Any, world: int, strategy: Any) -> None:
+    """Sequence parallelism (tp's default) splits every sequence into tp equal parts between the blocks."""
+    if not getattr(strategy, "uses_tp", False) or not cfg.strategy.sequence_parallel:
+        return
+    tp = strategy.topology_for(world, cfg.strategy).tp
+    if tp > 1 and cfg.data.seq_len % tp:
+        raise ConfigError(
+            f"--seq-len {cfg.data.seq_len} does not split into --tp {tp} equal parts: sequence parallelism "
+            f"shards each sequence over the tp ranks. Use a --seq-len that is a multiple of {tp}, or "
+            "--set strategy.sequence_parallel=false."
+        )
 
 
 def wait_for_summary(path: Any, timeout_s: float = 15.0) -> bool:

@@ -42,7 +42,8 @@ __all__ = ["check_pipeline", "check_tensor_parallel", "pipeline_split", "split_l
 
 
 def check_tensor_parallel(model: Llama, tp: int) -> None:
-    """Raise :class:`ConfigError` unless the heads (query and key/value) divide by the TP degree."""
+    """Raise :class:`ConfigError` unless the heads (query and key/value) and the feed-forward width divide
+    by the TP degree, and the embeddings are not tied."""
     cfg = model.config
     if cfg.n_heads % tp or cfg.n_kv_heads % tp:
         divisors = [
@@ -52,6 +53,18 @@ def check_tensor_parallel(model: Llama, tp: int) -> None:
             f"tensor parallel degree {tp} does not divide the heads of the model (model.n_heads={cfg.n_heads}, "
             f"model.n_kv_heads={cfg.n_kv_heads}): each rank computes whole heads. Use --tp one of "
             f"{', '.join(map(str, divisors))}, or change the heads with --set model.n_heads=/model.n_kv_heads=."
+        )
+    if cfg.ffn_hidden % tp:
+        raise ConfigError(
+            f"tensor parallel degree {tp} does not divide the feed-forward width (model.ffn_hidden="
+            f"{cfg.ffn_hidden}): each rank computes an equal slice of it. Use --set model.ffn_hidden= a "
+            f"multiple of {tp}, or another --tp."
+        )
+    if cfg.tie_embeddings:
+        raise ConfigError(
+            "tensor parallelism shards the embedding by vocabulary rows and the output layer by columns, so "
+            "the two cannot share one weight (model.tie_embeddings=true). Use --set model.tie_embeddings=false "
+            "with tp, or a data-parallel strategy (ddp, zero3, ...) for a tied model."
         )
 
 
