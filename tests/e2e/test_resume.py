@@ -42,8 +42,14 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])
-def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, dist_run: Any) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "resume"), [("ddp", "never"), pytest.param("zero3", "auto", marks=pytest.mark.slow)]
+)
+def test_killed_rank_restarts_and_ends_identical(
+    strategy: str, resume: str, tmp_path: Path, dist_run: Any
+) -> None:
+    """The restart resumes from the job's newest checkpoint, also when the job itself started with
+    ``--resume never`` (that applies to the first start only)."""
     args = [*COMMON, "--strategy", strategy, "--nproc-per-node", "2"]
     from paratrain.cli import build_config, make_parser
 
@@ -64,6 +70,8 @@ def test_killed_rank_restarts_and_ends_identical(strategy: str, tmp_path: Path, 
         "1",
         "--max-restarts",
         "2",
+        "--resume",
+        resume,
         cwd=tmp_path,
         timeout=180,
     )

@@ -191,7 +191,7 @@ def test_export_and_inspect(tmp_path: Path) -> None:
     assert rep["checkpoints"][0]["world_size"] == 1 and rep["checkpoints"][0]["bytes"] > 0
 
 
-def test_preflight_resume_refuses_other_model(tmp_path: Path) -> None:
+def test_preflight_resume_refuses_other_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from paratrain.models import build_model
 
     cfg = RunConfig().override(
@@ -337,3 +337,24 @@ def test_commit_manifest_lists_every_file(tmp_path: Path) -> None:
     files = json.loads((step / "commit.json").read_text())["files"]
     on_disk = {str(p.relative_to(step)) for p in step.rglob("*") if p.is_file()} - {"commit.json"}
     assert set(files) == on_disk and ".metadata" in files and "rng/rank_00000.pt" in files
+
+
+def test_preflight_resume_refuses_another_optimizer(tmp_path: Path) -> None:
+    from paratrain.models import build_model
+
+    cfg = RunConfig().override(
+        [
+            "model.name=mlp",
+            "model.hidden=8",
+            "data.name=synthetic-classification",
+            f"checkpoint.dir={tmp_path}",
+        ]
+    )
+    model = build_model(cfg.model, (32,), 10)
+    CheckpointManager(tmp_path, _ctx()).save(
+        1, model, torch.optim.AdamW(model.parameters()), {"config": {"optimizer": {"name": "adamw"}}}
+    )
+    assert preflight_resume(cfg, model) == tmp_path / "step_00000001"  # the same optimizer: fine
+    cfg.optimizer.name = "sgd"
+    with pytest.raises(ConfigError, match="saved with --optimizer adamw, and this run uses --optimizer sgd"):
+        preflight_resume(cfg, model)

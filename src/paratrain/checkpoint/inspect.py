@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint import safe
+from paratrain.checkpoint.integrity import COMMIT_FILE
 from paratrain.checkpoint.layout import (
     LATEST_FILE,
     candidates,
@@ -216,6 +217,16 @@ def preflight_resume(
     """
     mode = cfg.checkpoint.resume
     if mode == "never":
+        root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
+        earlier = [p for p in list_checkpoints(root) if (p / COMMIT_FILE).is_file()] if root else []
+        if earlier:
+            print(
+                f"paratrain: warning: --resume never: {root} already holds {len(earlier)} checkpoint(s) of an "
+                f"earlier run ({earlier[0].name}..{earlier[-1].name}). This run starts fresh and saves next to "
+                "them, replacing any of the same step, and --keep-last counts them with its own. Give a new "
+                "--run-dir (or --ckpt-dir) to keep the runs apart.",
+                file=sys.stderr,
+            )
         return None
     if mode == "auto":
         root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
@@ -244,4 +255,20 @@ def preflight_resume(
     mismatches = compare_state(md, shapes)
     if mismatches:
         raise ConfigError(mismatch_message(path, mismatches))
+    _check_same_optimizer(cfg, path)
     return path
+
+
+def _check_same_optimizer(cfg: RunConfig, path: Path) -> None:
+    """The optimizer's state (AdamW's moments, SGD's momentum) resumes only into the same optimizer."""
+    try:
+        saved = json.loads((path / TRAIN_STATE_FILE).read_bytes()).get("config", {}).get("optimizer", {})
+    except (OSError, ValueError, AttributeError):
+        return  # the workers' own checks report a damaged train state
+    name = saved.get("name") if isinstance(saved, dict) else None
+    if isinstance(name, str) and name != cfg.optimizer.name:
+        raise ConfigError(
+            f"{path} was saved with --optimizer {name}, and this run uses --optimizer {cfg.optimizer.name}: "
+            f"the optimizer state ({name}'s) cannot be loaded into another optimizer. Resume with "
+            f"--optimizer {name}, or start fresh in a new --run-dir (--resume never)."
+        )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -481,14 +482,17 @@ class CheckpointManager:
         return {name for names in gathered for name in names}
 
     def load_latest_valid(
-        self, model: nn.Module, optimizer: Any, on_skip: SkipFn | None = None
+        self, model: nn.Module, optimizer: Any, on_skip: SkipFn | None = None, since: float | None = None
     ) -> Loaded | None:
         """Collective ``--resume auto``: load the newest checkpoint that verifies *and* loads, reporting every
         one passed over through ``on_skip``; ``None`` when there is none (start fresh). Raises when every
         candidate failed after one had already been partly read into the model (a fresh start is then
-        impossible)."""
+        impossible). ``since`` (the same on every rank): only checkpoints committed at or after this time
+        (``commit.json``'s ``committed_at``) are candidates: a restarted job's own."""
         touched = None
         for p in candidates(self.root, on_skip):
+            if since is not None and not committed_since(p, since):
+                continue
             problems = self.verify(p)
             if not problems:
                 try:
@@ -504,6 +508,15 @@ class CheckpointManager:
                 "was partly overwritten, and no older one loads. Use --resume never to start fresh."
             )
         return None
+
+
+def committed_since(path: Path, since: float) -> bool:
+    """Whether the checkpoint at ``path`` was committed at or after ``since`` (``False`` when unknown)."""
+    try:
+        at = json.loads((path / COMMIT_FILE).read_bytes()).get("committed_at")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(at, (int, float)) and at >= since
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------

@@ -141,6 +141,8 @@ def run_training(cfg: RunConfig, quiet: bool = False) -> dict[str, Any]:
         "PARATRAIN_JOB_ID", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
     lock = acquire_checkpoint_lock(ckpt_dir, job_id) if cfg.launch.node_rank == 0 else None
+    # A restart (--max-restarts) resumes from the checkpoints committed after this (train/lifecycle.py).
+    os.environ["PARATRAIN_JOB_START"] = repr(time.time())
     config_path = run_dir / "config.json"
     if cfg.train.progress is None:
         # Workers write through the elastic agent's log relay, so their own stderr is never a terminal:

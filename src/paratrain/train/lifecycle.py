@@ -19,6 +19,7 @@ every rank saves at the same step and the loop stops.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,7 +35,7 @@ from paratrain.checkpoint import CheckpointManager, step_dir_name
 from paratrain.checkpoint.state import rng_state, set_rng_state
 from paratrain.config import RunConfig
 from paratrain.faults import maybe_fail
-from paratrain.runtime import Context, seed_everything
+from paratrain.runtime import Context, attempt, seed_everything
 from paratrain.train.state import TrainState
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -114,13 +115,21 @@ class RunLifecycle:
     # ---- the three hooks ------------------------------------------------------------------------------------
     def resume(self) -> None:
         st, mode = self.state, self.cfg.checkpoint.resume
-        if mode == "never":
-            return
 
         def skipped(path: Any, problems: list[str]) -> None:
             self.log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
 
-        if mode == "auto":
+        loaded = None
+        since = self._job_start() if attempt() > 0 and mode != "auto" else None
+        if since is not None:
+            # A restart (--max-restarts) resumes from the newest checkpoint this job committed, whatever
+            # --resume said for the first start; with none yet, it starts as the first start did.
+            loaded = self.ckpt.load_latest_valid(
+                self.model, self.optimizer, on_skip=skipped if self.ctx.is_main else None, since=since
+            )
+        if loaded is None and mode == "never":
+            return
+        if loaded is None and mode == "auto":
             # the newest checkpoint whose every file matches its committed checksum, and that loads; the
             # ranks split the hashing and agree, then fall back past damaged ones together
             loaded = self.ckpt.load_latest_valid(
@@ -128,7 +137,7 @@ class RunLifecycle:
             )
             if loaded is None:
                 return
-        else:
+        elif loaded is None:
             loaded = self.ckpt.load(Path(mode), self.model, self.optimizer)
         saved = loaded.train_state
         saved_bs = saved.get("config", {}).get("train", {}).get("batch_size")
@@ -150,6 +159,15 @@ class RunLifecycle:
             saved.get("world_size"),
             saved.get("strategy"),
         )
+
+    def _job_start(self) -> float | None:
+        """When ``paratrain train`` started this job (``PARATRAIN_JOB_START``), as rank 0 knows it: every
+        rank must pick the same checkpoints."""
+        raw = os.environ.get("PARATRAIN_JOB_START")
+        start = [float(raw) if raw else None]
+        if self.ctx.distributed:
+            dist.broadcast_object_list(start, src=0)
+        return start[0]
 
     def after_step(self) -> bool:
         """Run after optimizer step ``state.step``; ``True`` means stop now (a coordinated save was made)."""
