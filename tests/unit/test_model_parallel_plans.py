@@ -56,6 +56,10 @@ def test_presets_fill_in_the_degrees(name: str, world: int, kw: dict[str, int], 
         ("fsdp+tp", 4, {"tp": 3}, "tp 3 x pp 1 = 3 does not divide the world size 4"),
         ("pp", 2, {"pp_schedule": "1f1b", "microbatches": 1}, "at least as many micro-batches"),
         ("ddp", 4, {"tp": 2}, "data parallel only"),
+        # a preset whose own axis would come out at degree 1: refused, not run without it
+        ("fsdp+tp", 3, {}, "'fsdp\\+tp' on 3 ranks came out as tp 1: its tp axis would have degree 1"),
+        ("fsdp+pp", 3, {}, "its pp axis would have degree 1"),
+        ("fsdp+tp+pp", 2, {}, "came out as tp 2 x pp 1: its pp axis .* multiple of 4 ranks"),
     ],
 )
 def test_bad_degrees_are_refused(name: str, world: int, kw: dict[str, object], match: str) -> None:

@@ -161,6 +161,19 @@ class ModelParallel(Strategy):
 
     @classmethod
     def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:
+        lost = [axis for axis, used, degree in (("tp", cls.uses_tp, topology.tp), ("pp", cls.uses_pp, topology.pp))
+                if used and degree == 1 and topology.world_size > 1 and cls.name != "single"]  # fmt: skip
+        if lost:
+            asked = " x ".join(
+                f"{a} {getattr(topology, a)}" for a in ("tp", "pp") if getattr(cls, f"uses_{a}")
+            )
+            raise ConfigError(
+                f"strategy {cls.name!r} on {topology.world_size} ranks came out as {asked}: its "
+                f"{' and '.join(lost)} axis would have degree 1, so the job would run without it. Give "
+                + " and ".join(f"--{a} N (N > 1, dividing the ranks)" for a in lost)
+                + f", run on a multiple of {2 ** (int(cls.uses_tp) + int(cls.uses_pp))} ranks, or use a strategy "
+                "without that axis."
+            )
         if topology.tp > 1 and not cls.uses_tp:
             raise ConfigError(
                 f"strategy {cls.name!r} does not split tensors, but --tp {topology.tp} was given. "
