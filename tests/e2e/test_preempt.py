@@ -55,9 +55,12 @@ def _uninterrupted(cfg_json: str, run_dir: str) -> dict[str, Any]:
     return train(cfg, ctx, Path(run_dir)).summary()
 
 
-def _signal_when_training(cwd: Path, run: Path, sig: signal.Signals, after_step: int) -> tuple[int, str, str]:
+def _signal_when_training(
+    cwd: Path, run: Path, sig: signal.Signals, after_step: int, group: bool = False
+) -> tuple[int, str, str]:
     """Start ``paratrain train``; once a checkpoint beyond ``after_step`` is committed (it is mid-run), send
-    ``sig`` to the launching process only. Returns (exit status, stdout, stderr)."""
+    ``sig`` to the launching process only, or with ``group`` to it and then to its whole process group (as
+    GNU ``timeout`` does). Returns (exit status, stdout, stderr)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "paratrain", *ARGS, "--run-dir", str(run)],
         cwd=cwd,
@@ -74,6 +77,8 @@ def _signal_when_training(cwd: Path, run: Path, sig: signal.Signals, after_step:
             assert time.monotonic() < deadline, "no checkpoint within 90 s"
             time.sleep(0.05)
         os.kill(proc.pid, sig)
+        if group:
+            os.killpg(proc.pid, sig)  # the launcher, the agent's workers: everyone gets it once more
         out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
@@ -117,3 +122,13 @@ def test_sigterm_then_sigusr1_to_the_launcher_save_and_resume_exactly(tmp_path: 
     ref = dist_run(_uninterrupted, 2, cfg.to_json(), str(tmp_path / "ref"), timeout_s=120)[0]
     assert got["param_sha256"] == ref["param_sha256"]
     assert got["losses"] == ref["losses"]
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_to_the_launcher_and_its_process_group_is_one_stop_request(tmp_path: Path) -> None:
+    """``timeout``, ``kill -TERM -PGID`` and Slurm signal the launcher twice (directly and through its
+    process group): that is one request to save and stop, not a second signal that escalates."""
+    run = tmp_path / "run"
+    rc, out, err = _signal_when_training(tmp_path, run, signal.SIGTERM, after_step=0, group=True)
+    _check_stopped(run, signal.SIGTERM, rc, out, err, after_step=EVERY - 1)
+    assert "did not all save" not in err

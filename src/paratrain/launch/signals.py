@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+REPEAT_S = 2.0
+"""A stop signal this soon after the first is a copy of it (see :class:`StopForwarder`)."""
 
 
 class StopForwarder:
@@ -27,7 +32,9 @@ class StopForwarder:
     2. lets the agent go on monitoring: it sees the group succeed and returns normally;
     3. escalates to torch's teardown (signal again, SIGKILL after ``shutdown_timeout``) when a second signal
        arrives, when the workers have not exited ``grace_s`` after the first, or when no worker runs yet
-       (the agent is in a rendezvous: nothing to save);
+       (the agent is in a rendezvous: nothing to save). A second signal within ``REPEAT_S`` of the first is
+       the same request, not a second one: ``timeout``, ``kill -TERM -PGID`` and Slurm signal the launcher
+       both directly and through its process group;
     4. after a stop signal, never restarts: :class:`GuardedRendezvous` turns the next rendezvous (what a
        restart does first) into the same teardown.
     """
@@ -37,6 +44,8 @@ class StopForwarder:
 
         self.grace_s = grace_s
         self.received: signal.Signals | None = None
+        self._received_at = 0.0
+        self._escalating = False
         self.before_workers = False
         self._old: dict[int, Any] = {}
         # The handler must not take locks the interrupted main thread may hold (starting a thread does, and
@@ -71,8 +80,11 @@ class StopForwarder:
         if self.received is None and not workers:
             self.received, self.before_workers = sig, True
         if self.received is not None:
+            repeat = not self._escalating and time.monotonic() - self._received_at < REPEAT_S
+            if repeat and not self.before_workers:
+                return  # the same request delivered twice (directly and to the process group)
             raise self.teardown(self.received)
-        self.received = sig
+        self.received, self._received_at = sig, time.monotonic()
         for pid in workers:
             try:
                 os.kill(pid, sig)
@@ -94,6 +106,7 @@ class StopForwarder:
         if _live_child_pids(os.getpid()):
             # Python runs signal handlers in the main thread: re-sending the signal makes the handler above
             # raise there, i.e. torch's teardown from wherever the agent is (monitor loop, exit barrier).
+            self._escalating = True
             os.kill(os.getpid(), self.received)
 
 
