@@ -38,3 +38,21 @@ def test_generate_samples_from_a_sharded_checkpoint_deterministically(tmp_path: 
             cwd=tmp_path, timeout=120)  # fmt: skip
     not_lm = run_cli("generate", "--ckpt", str(image), cwd=tmp_path, check=False)
     assert not_lm.returncode == 2 and "not a language model" in not_lm.stderr
+    nan = run_cli(*args[:-1], "--temperature", "nan", cwd=tmp_path, check=False)
+    assert nan.returncode == 2 and "a finite number" in nan.stderr and "Traceback" not in nan.stderr
+    import shutil
+
+    broken = tmp_path / "broken" / "step_00000004"
+    shutil.copytree(run / "checkpoints" / "step_00000004", broken)
+    (broken / "train_state.json").unlink()
+    gone = run_cli("generate", "--ckpt", str(broken), cwd=tmp_path, check=False)
+    assert gone.returncode == 2 and "train_state.json" in gone.stderr and "Traceback" not in gone.stderr
+    # a model with more output rows than the byte tokenizer has ids: only decodable ids are sampled
+    wide = tmp_path / "wide"
+    run_cli("train", "--model", "llama-debug", "--data", "python-stdlib", "--set", "data.max_bytes=50000",
+            "--set", "model.vocab_size=300", "--seq-len", "32", "--steps", "2", "--batch-size", "4",
+            "--strategy", "single", "--run-dir", str(wide), cwd=tmp_path, timeout=200)  # fmt: skip
+    for t in ("1.5", "0"):
+        got = run_cli("generate", "--ckpt", str(wide), "--max-new-tokens", "40", "--temperature", t, "--json",
+                      cwd=tmp_path)  # fmt: skip
+        assert json.loads(got.stdout.splitlines()[-1])["new_tokens"] == 40

@@ -9,6 +9,7 @@ the most likely token). The context is cut to the model's ``max_seq_len``.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from paratrain.checkpoint.inspect import load_full_model
 from paratrain.checkpoint.layout import find_latest_valid, step_of
+from paratrain.checkpoint.safe import DamagedFileError
 from paratrain.checkpoint.state import read_train_state
 from paratrain.config import RunConfig
 from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
@@ -65,10 +67,24 @@ def generate(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Sample ``max_new_tokens`` after ``prompt``; returns the text and what produced it."""
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ConfigError("--max-new-tokens and --temperature must be >= 0 and --top-k >= 1.")
+    if (
+        max_new_tokens < 0
+        or not temperature >= 0
+        or math.isinf(temperature)
+        or (top_k is not None and top_k < 1)
+    ):
+        raise ConfigError(
+            f"--max-new-tokens and --temperature must be >= 0 (a finite number) and --top-k >= 1; got "
+            f"{max_new_tokens}, {temperature} and {top_k}."
+        )
     step_dir = resolve_step_dir(ckpt)
-    state = read_train_state(step_dir, step_of(step_dir))
+    try:
+        state = read_train_state(step_dir, step_of(step_dir))
+    except DamagedFileError as e:
+        raise ConfigError(
+            f"--ckpt {step_dir}: {e}. Give a committed checkpoint (a step_NNNNNNNN directory that `paratrain "
+            "ckpt inspect` calls valid) or its run directory."
+        ) from None
     cfg = RunConfig.from_dict(state["config"], source=f"{step_dir}/train_state.json")
     tok = _tokenizer(cfg, step_dir)
     try:
@@ -93,7 +109,8 @@ def generate(
     out = list(ids)
     t0 = time.perf_counter()
     for _ in range(max_new_tokens):
-        logits = model(torch.tensor([out[-limit:]]))[0, -1].float()
+        # only ids the tokenizer can decode (a model may have more rows: --set model.vocab_size=)
+        logits = model(torch.tensor([out[-limit:]]))[0, -1].float()[: tok.vocab_size]
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
