@@ -182,6 +182,8 @@ def test_export_and_inspect(tmp_path: Path) -> None:
 
     _, m = _save_steps(tmp_path / "ck", [7])
     info = export_safetensors(tmp_path / "ck" / "step_00000007", tmp_path / "m.safetensors")
+    with pytest.raises(ConfigError, match="m.safetensors is a file, not a directory"):
+        export_safetensors(tmp_path / "ck" / "step_00000007", tmp_path / "m.safetensors" / "x.safetensors")
     out = load_file(str(tmp_path / "m.safetensors"))
     assert info["tensors"] == 4 and set(out) == set(m.state_dict())
     for k, v in m.state_dict().items():

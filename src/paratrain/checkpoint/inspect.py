@@ -7,6 +7,7 @@ file's bytes, to compare their checksums (``fast=True``: sizes only).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -180,6 +181,9 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
         raise ConfigError(f"{dest} already exists. Give another path, or --force to overwrite it.")
     if not p.is_dir():
         raise ConfigError(f"{p} is not a directory. Give a committed step_NNNNNNNN directory.")
+    parent = next((d for d in dest.parents if d.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"cannot write {dest}: {parent} is a file, not a directory. Give another path.")
     model = load_full_model(p)
     state = _read_state(p)
     cfg = state.get("config", {})
@@ -194,11 +198,11 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
         dest.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in model.items()}, str(tmp), metadata=meta_out)
         os.replace(tmp, dest)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(
-            f"cannot write {dest}: {e.strerror}. Give a writable path with free space."
-        ) from None
+    except Exception as e:  # OSError, or safetensors' own error (a full disk while writing)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e).splitlines()[0][:200]
+        raise ConfigError(f"cannot write {dest}: {why}. Give a writable path with free space.") from None
     return {
         "out": str(out),
         "tensors": len(model),
