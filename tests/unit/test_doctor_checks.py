@@ -282,3 +282,20 @@ def test_selftest_launcher_refusal_is_reported_as_is() -> None:
     c = _judge({}, nproc=4, error=err)[0]
     assert c.status == "fail" and c.detail == f"the launcher failed: {err}"
     assert "--nproc-per-node at most the GPU count" in c.fix
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["doctor", "--timeout", "inf"], "--timeout must be a positive number"),
+        (["doctor", "--timeout", "nan"], "--timeout must be a positive number"),
+        (["launch", "--guard", "--hang-timeout", "nan", __file__], "--hang-timeout must be a finite number"),
+    ],
+)
+def test_non_finite_timeouts_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paratrain.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

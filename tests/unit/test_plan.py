@@ -335,6 +335,12 @@ def test_builder_injection_and_shape_from_any_config() -> None:
         ),
         (("--params", "1e9", "--gpus", "8", "--batch-size", "12"), "global batch 12"),
         (("--params", "1e9", "--gpu-mem", "80 bananas"), "--gpu-mem"),
+        (("--params", "nan"), "--params must be a positive parameter count"),
+        (("--params", "inf"), "--params must be a positive parameter count"),
+        (("--params", "1e9", "--gpus", "8", "--gpus-per-node", "0"), "--gpus-per-node must be a positive"),
+        (("--params", "1e9", "--nproc-per-node", "0"), "--nproc-per-node must be a positive"),
+        (("--params", "1e9", "--gpus", "8", "--recommend", "--top", "0"), "--top must be at least 1"),
+        (("--params", "1e9", "--plot", "plan.xyz"), "give a file name ending in .png"),
     ],
 )
 def test_bad_input_is_a_config_error(argv: tuple[str, ...], message: str) -> None:

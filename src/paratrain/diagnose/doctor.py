@@ -431,8 +431,10 @@ def run(args: argparse.Namespace) -> int:
     """``paratrain doctor``: print the checks; 1 if any failed, else 0. Raises :class:`ConfigError`."""
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}.")
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be positive, got {args.timeout}.")
+    if not 0 < args.timeout <= 86400:  # NaN and inf too
+        raise ConfigError(
+            f"--timeout must be a positive number of seconds (at most a day), got {args.timeout}."
+        )
     checks, selftest = collect(args.nproc_per_node, args.timeout, selftest=not args.no_selftest)
     if args.json:
         print(json.dumps(to_json(checks, selftest)))

@@ -150,6 +150,9 @@ def cluster_from(args: argparse.Namespace) -> cl.Cluster:
         if args.calibrate
         else base
     )
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nproc-per-node", args.nproc_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}.")
     gpus, per_node = args.gpus, args.gpus_per_node
     if args.nproc_per_node is not None:
         if gpus is not None and gpus != args.nproc_per_node and per_node is None:
@@ -242,11 +245,15 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
 
 def run(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -> int:
     """Run ``paratrain plan``; returns the exit code. ConfigError propagates (the CLI prints it, exit 2)."""
+    if args.top < 1:
+        raise ConfigError(f"--top must be at least 1 (layouts to print), got {args.top}.")
     if args.plot is not None:
         from pathlib import Path
 
         if not Path(args.plot).resolve().parent.is_dir():
             raise ConfigError(f"--plot {args.plot}: directory {Path(args.plot).parent} does not exist.")
+        if Path(args.plot).suffix.lower() != ".png" or Path(args.plot).is_dir():
+            raise ConfigError(f"--plot {args.plot}: writes a PNG file; give a file name ending in .png.")
     result = build(args, model_builder)
     if args.plot:
         from paratrain.plan.report import plot

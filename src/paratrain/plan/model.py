@@ -182,9 +182,9 @@ class ModelSpec:
 
 
 def spec_from_params(num_params: float, name: str | None = None) -> ModelSpec:
+    if not 1 <= num_params < 1e18:  # NaN and inf too
+        raise ConfigError(f"--params must be a positive parameter count (below 1e18), got {num_params!r}.")
     n = int(num_params)
-    if n < 1:
-        raise ConfigError(f"--params must be a positive parameter count, got {num_params!r}.")
     return ModelSpec(
         name=name or f"{n:.3g} parameters", num_params=n, last=ParamGroup(replicated=n), states_only=True
     )

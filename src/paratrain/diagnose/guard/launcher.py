@@ -216,8 +216,8 @@ def launch_guarded(
 
     if not module and not os.path.isfile(script):
         raise ConfigError(f"script {script!r} does not exist. Give the path of a Python file to run.")
-    if hang_timeout <= 0:
-        raise ConfigError(f"--hang-timeout must be > 0 seconds, got {hang_timeout!r}.")
+    if not 0 < hang_timeout < float("inf"):  # NaN too
+        raise ConfigError(f"--hang-timeout must be a finite number > 0 of seconds, got {hang_timeout!r}.")
     if desync_every < 0:
         raise ConfigError(f"--check-desync-every must be >= 0 (0: never), got {desync_every!r}.")
     guard_dir = tempfile.mkdtemp(prefix="paratrain-guard-", dir=_guard_dir_parent())
