@@ -65,7 +65,7 @@ from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-ALGORITHMS = ("shm", "shm-slots", "shm-zero-copy", "shm-every-rank", "native", "ring")
+ALGORITHMS = ("shm", "shm-slots", "shm-zero-copy", "native", "ring")
 
 
 def parse_sizes(text: str, factor: int) -> list[int]:
@@ -137,13 +137,7 @@ def _inputs(collective: str, nbytes: int, n: int) -> tuple[torch.Tensor, torch.T
 
 
 def _calls(
-    collective: str,
-    algorithms: list[str],
-    c: Any,
-    inp: torch.Tensor,
-    out: torch.Tensor | None,
-    slots: Any,
-    every: Any = None,
+    collective: str, algorithms: list[str], c: Any, inp: torch.Tensor, out: torch.Tensor | None, slots: Any
 ) -> dict[str, Callable[[], Any]]:
     """One zero-argument call per algorithm that offers ``collective``."""
     from paratrain import comm
@@ -153,7 +147,6 @@ def _calls(
         table: dict[str, Callable[[], Any]] = {
             "shm": lambda: c.all_reduce(inp),
             "shm-slots": lambda: slots.all_reduce(inp),
-            "shm-every-rank": lambda: every.all_reduce(inp),
             "native": lambda: dist.all_reduce(inp),
             "ring": lambda: comm.all_reduce(inp, "sum", "ring", check=False),
         }
@@ -200,17 +193,11 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if "shm-slots" in spec["algorithms"]
         else None
     )
-    every = (
-        shm.ShmCommunicator(capacity_bytes=spec["capacity"], direct_block_bytes=spec["direct_block"],
-                            direct_workers=n)
-        if "shm-every-rank" in spec["algorithms"]
-        else None
-    )  # fmt: skip
     rows = []
     for collective in spec["collectives"]:
         for size in spec["sizes"]:
             inp, out = _inputs(collective, size, n)
-            calls = _calls(collective, spec["algorithms"], c, inp, out, slots, every)
+            calls = _calls(collective, spec["algorithms"], c, inp, out, slots)
             iters = spec["iters"] if size < spec["big_bytes"] else spec["big_iters"]
             times: dict[str, list[float]] = {a: [] for a in calls}
             cpu: dict[str, list[float]] = {a: [] for a in calls}
@@ -243,9 +230,8 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     "cpu_s_all_ranks": statistics.median(per_cpu), "calls_per_sample": k,
                 })  # fmt: skip
     c.close()
-    for other in (slots, every):
-        if other is not None:
-            other.close()
+    if slots is not None:
+        slots.close()
     return rows
 
 

@@ -48,10 +48,6 @@ CONFIGS = {
     "tiny-one-barrier-polling": {"capacity_bytes": 256, "futex": False},  # waiters sleep-poll, no futex
     # the direct path (cross-memory attach) for every size, 64-byte blocks: many blocks per chunk
     "direct-tiny-blocks": {"direct_min_bytes": 0, "direct_block_bytes": 64},
-    # the all-reduce's work done by rank 0 alone, and by every rank however few the cores (the default,
-    # above, gives it to as many ranks as there are cores)
-    "direct-one-worker": {"direct_min_bytes": 0, "direct_block_bytes": 192, "direct_workers": 1},
-    "direct-every-rank": {"direct_min_bytes": 0, "direct_block_bytes": 192, "direct_workers": 64},
     "slots-only": {"direct": False, "capacity_bytes": 256},
 }
 
@@ -190,18 +186,9 @@ def check_world(members: list[int] | None = None) -> dict[str, Any]:
     count = 0
     for k, (name, kwargs) in enumerate(CONFIGS.items()):
         with shm.ShmCommunicator(group, **kwargs) as c:  # type: ignore[arg-type]
-            expect = (
-                _direct_possible()
-                if name.startswith("direct-")
-                else {"slots-only": False}.get(name, c.direct)
-            )
+            expect = {"direct-tiny-blocks": _direct_possible(), "slots-only": False}.get(name, c.direct)
             if c.size > 1 and c.direct != expect:
                 failures.append(f"[{name}] direct path {'on' if c.direct else 'off'} unexpectedly")
-            workers = {"direct-one-worker": 1, "direct-every-rank": c.size}.get(
-                name, min(c.size, len(os.sched_getaffinity(0)))
-            )  # every rank of these tests may run on every core
-            if c.direct and c.direct_workers != workers:
-                failures.append(f"[{name}] {c.direct_workers} direct workers, expected {workers}")
             bad, cnt = _check_config(c, group, ranks, salt=100 * k)
             failures += [f"[{name}] {b}" for b in bad]
             count += cnt
@@ -298,9 +285,7 @@ def test_hierarchical_all_reduce_two_simulated_nodes() -> None:
 
 def check_arena() -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
-    shm.IN_PLACE_BLOCK_BYTES = (
-        512  # a chunk of the first buckets spans several blocks of the in-place reduction
-    )
+    shm.IN_PLACE_BLOCK_BYTES = 512  # a chunk of the first buckets spans several blocks of the in-place reduction
     c = shm.ShmCommunicator(arena_bytes=64 << 10, capacity_bytes=4096)
     shapes = [((1000,), torch.float32), ((3, 7), torch.float64), ((1,), torch.int64), ((33,), torch.bfloat16),
               ((777,), torch.int32), ((301,), torch.bfloat16), ((257,), torch.bool)]  # fmt: skip
@@ -481,10 +466,7 @@ def premul_sum() -> dict[str, Any]:
                     bad.append(f"reduce_scatter {what}")
         c.close()
     errors = []
-    for op, t in (
-        (dist._make_nccl_premul_sum(2.0), torch.ones(4, dtype=torch.int64)),
-        (dist.ReduceOp.PREMUL_SUM, torch.ones(4)),
-    ):
+    for op, t in ((dist._make_nccl_premul_sum(2.0), torch.ones(4, dtype=torch.int64)), (dist.ReduceOp.PREMUL_SUM, torch.ones(4))):
         try:
             shm.all_reduce(t, op=op)
             errors.append("no error")
@@ -499,9 +481,7 @@ def test_premul_sum_scales_every_input_then_sums() -> None:
     out = run_distributed(premul_sum, 3, timeout_s=110)
     for rank, o in enumerate(out):
         assert o["bad"] == [], (rank, o["bad"])
-        assert o["errors"][0].startswith(
-            "TypeError: shm all_reduce: PREMUL_SUM needs a floating-point tensor"
-        )
+        assert o["errors"][0].startswith("TypeError: shm all_reduce: PREMUL_SUM needs a floating-point tensor")
         assert o["errors"][1].startswith("ValueError: shm: ReduceOp.PREMUL_SUM needs its factor"), o["errors"]
 
 
@@ -519,9 +499,7 @@ def rare_dtypes() -> dict[str, Any]:
         except TypeError as e:
             out["refused"].append(str(e))
     for size in (5, 300_000):
-        bits = torch.randint(
-            0, 1 << 16, (size,), generator=torch.Generator().manual_seed(rank), dtype=torch.int32
-        )
+        bits = torch.randint(0, 1 << 16, (size,), generator=torch.Generator().manual_seed(rank), dtype=torch.int32)
         x = bits.to(torch.uint16)
         every = [torch.zeros_like(bits) for _ in range(n)]
         dist.all_gather(every, bits)
@@ -558,9 +536,7 @@ def test_dtypes_without_a_kernel_are_refused_up_front_and_copies_of_any_dtype_wo
         assert o["bad"] == [], (rank, o["bad"])
         for msg, what in zip(o["refused"], ("float8_e4m3fn tensors with op='max'", "uint16 tensors with op='sum'",
                                              "float8_e5m2 tensors with op='sum'"), strict=True):  # fmt: skip
-            assert (
-                msg.startswith("shm all_reduce: torch has no CPU kernel to reduce torch.") and what in msg
-            ), msg
+            assert msg.startswith("shm all_reduce: torch has no CPU kernel to reduce torch.") and what in msg, msg
         assert "disagree on the call" in o["mismatch"] and "torch.uint16" in o["mismatch"], o["mismatch"]
         assert o["after"] == 2.0
 

@@ -109,7 +109,6 @@ class _Segment:
         direct: bool = True,
         direct_min_bytes: int = DIRECT_MIN_BYTES,
         direct_block_bytes: int = DIRECT_BLOCK_BYTES,
-        direct_workers: int | None = None,
         store: Any = None,
         shm_dir: str = "/dev/shm",
     ) -> None:
@@ -146,12 +145,6 @@ class _Segment:
             direct_min_bytes = OVERSUBSCRIBED_DIRECT_MIN_BYTES  # the same on every rank of one host
         self.direct_min_bytes = direct_min_bytes
         self.direct_block_bytes = max(_ALIGN, direct_block_bytes)
-        if direct_workers is not None and direct_workers < 1:
-            raise ValueError(f"shm: direct_workers must be >= 1 (or None: automatic), got {direct_workers}.")
-        self._want_workers = direct_workers
-        self.direct_workers = self.size
-        """Ranks that do the direct all-reduce's work (the others only lend their tensors): as many as the
-        group has cores (below: decided at creation), so that no two working ranks share a core."""
         self._vm: _VmReader | None = None
         self._pids: list[int] = []
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
@@ -269,11 +262,8 @@ class _Segment:
         probe = np.array([int(self._head[5]) ^ (r + 1)], dtype=np.int64)  # the nonce, per rank
         if ok and _VM is not None:
             _VM.allow_peers()
-        store.set(f"direct/{r}", json.dumps({"pid": os.getpid(), "addr": probe.ctypes.data, "ok": ok,
-                                             "cores": _cores(), "workers": self._want_workers}))  # fmt: skip
+        store.set(f"direct/{r}", json.dumps({"pid": os.getpid(), "addr": probe.ctypes.data, "ok": ok}))
         info = self._gather(store, "direct", "the direct-path probe")
-        cores = len({c for i in info for c in i["cores"]})  # the CPUs the group's ranks may run on
-        self.direct_workers = max(1, min(n, info[0]["workers"] or cores))  # rank 0's wish, if any
         status = "off"
         if all(i["ok"] for i in info) and _VM is not None:
             j = (r + 1) % n
@@ -596,13 +586,6 @@ class _Segment:
 
 class _Mismatch(Exception):
     """The ranks disagree on a call; every rank raises it at the same step (the group stays usable)."""
-
-
-def _cores() -> list[int]:
-    """The CPUs this process may run on (its affinity: taskset, a cpuset, ``--cpu-bind``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def _close_mapping(mm: mmap.mmap) -> None:

@@ -75,10 +75,7 @@ chunk in place, and writes the reduced block back into every peer's chunk r with
 while it is in cache; then a ``DONE`` barrier (after it no peer reads or writes this rank's memory). Chunk
 r of every rank's tensor is touched by rank r alone, so no other barrier is needed. Per rank that is
 (n−1)/n·S read in, S/n reduced, (n−1)/n·S written out, against the slots' copy in (S), reduction and copy
-out (S). With more ranks than cores (their CPU affinity, together) only the first ``direct_workers`` =
-cores ranks do that work, a 1/w chunk each, and the others just lend their tensors and wait: the bytes
-moved are the same, but no two working ranks take turns on one core, each pausing the other mid-chunk.
-reduce_scatter and all_gather read the peers' inputs the same way; broadcast reads the root's
+out (S). reduce_scatter and all_gather read the peers' inputs the same way; broadcast reads the root's
 tensor. It is decided once, collectively, when the communicator is created: every rank must want it
 (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``), all must share one pid namespace, and each must
 read (and write back) a probe word of the next rank successfully. Same-user processes may read each other
@@ -206,9 +203,6 @@ class ShmCommunicator(_Segment):
         direct_min_bytes: tensors above this size take the direct path; smaller ones the slots.
         direct_block_bytes: bytes of the peers' blocks together in the direct reduction's private buffer
             (each peer's block is 1/(n−1) of it).
-        direct_workers: ranks that do the direct all-reduce's work (ranks 0..w−1, each a 1/w chunk); the
-            others only publish their tensors and wait. ``None``: as many as the group's ranks have CPUs
-            between them (their affinity), so with more ranks than cores no two working ranks share one.
         timeout_s: how long a rank waits for a peer before raising (default: the group's timeout).
         arena_bytes: bytes of this rank's arena for :meth:`allocate` (0: none).
         small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
@@ -526,11 +520,11 @@ class ShmCommunicator(_Segment):
         (n-1)/n·S in and (n-1)/n·S out, plus one reduction of S/n, between two barriers (ARRIVE, DONE).
         Rank j's chunk r is touched by rank r alone (read, then overwritten with the result), and no rank
         returns before every rank has written (DONE)."""
-        n, r, dtype, w = self.size, self.rank, flat.dtype, self.direct_workers
+        n, r, dtype = self.size, self.rank, flat.dtype
         es, numel = _esize(dtype), flat.numel()
         grain = max(1, _ALIGN // es)
-        q = -(-numel // w // grain) * grain
-        bounds = [(min(numel, j * q), min(numel, (j + 1) * q)) for j in range(w)] + [(numel, numel)] * (n - w)
+        q = -(-numel // n // grain) * grain
+        bounds = [(min(numel, j * q), min(numel, (j + 1) * q)) for j in range(n)]
         sig = _signature("all_reduce", op, dtype, numel, -2, 0, 1)
         trace = self.trace
         if trace is not None:
