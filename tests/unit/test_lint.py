@@ -544,6 +544,32 @@ VARIANTS: dict[str, str] = {
         if local_rank == 0:
             dist.barrier()
         """),
+    "rank 0 first, written with `not` and `> 0`": script("""\
+        if not is_main:
+            dist.barrier()
+        dataset = TensorDataset(torch.randn(8, 2))
+        if is_main:
+            dist.barrier()
+        if rank > 0:
+            dist.barrier()
+        if rank == 0:
+            dist.barrier()
+        """),
+    "two blocks under the same rank condition do not pair": script("""\
+        t = torch.ones(1, device=device)
+        if rank == 0:
+            dist.all_reduce(t)  # <- rank-conditional-collective
+            print(t)
+        if rank == 0:
+            dist.all_reduce(t)  # <- rank-conditional-collective
+        """),
+    "rank 0 and rank 1 blocks do not pair (rank 2 and up never call it)": script("""\
+        t = torch.ones(1, device=device)
+        if rank == 0:
+            dist.all_reduce(t)  # <- rank-conditional-collective
+        if rank == 1:
+            dist.all_reduce(t)  # <- rank-conditional-collective
+        """),
     "torch.load(weights_only=False) is an error": "import torch\nx = torch.load('a.pt', weights_only=False)  # <- unsafe-torch-load\n",
     "save in a helper called on rank 0, per-rank files, early exit": script("""\
         def save(model):
@@ -751,11 +777,17 @@ def test_syntax_error_is_a_finding_not_a_crash(tmp_path: Path) -> None:
     assert f.col >= 1 and f.message and f.fix
     (tmp_path / "bad.py").write_text("x = (\n")
     (tmp_path / "nul.py").write_bytes(b"x = 1\x00\n")
+    (tmp_path / "deep.py").write_text("x = " + "1+" * 5000 + "1\n")  # deeper than the parser recurses
+    (tmp_path / "rot13.py").write_text("# coding: rot13\nx = 1\n")  # a codec that is not a text encoding
+    (tmp_path / "ok.py").write_text("import torch.nn as nn\nm = nn.DataParallel(nn.Linear(2, 2))\n")
     report = lint_paths([tmp_path], select=["data-parallel"])  # still reported: the file was not checked
-    assert report.files == 2
+    assert report.files == 5
     assert [(f.rule, Path(f.path).name) for f in report.findings] == [
         ("syntax-error", "bad.py"),
+        ("syntax-error", "deep.py"),
         ("syntax-error", "nul.py"),
+        ("data-parallel", "ok.py"),  # the other files are still linted
+        ("syntax-error", "rot13.py"),
     ]
 
 

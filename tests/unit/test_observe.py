@@ -180,3 +180,14 @@ def test_profiler_window_already_passed_profiles_nothing(tmp_path: Path) -> None
     prof.begin(4, 10)  # resumed after the window
     prof.after_step(5)
     assert prof.finish() is None and not (tmp_path / "profile").exists()
+
+
+def test_plot_reads_a_damaged_metrics_file(tmp_path: Path) -> None:
+    """Undecodable bytes and cut lines in metrics.jsonl cost their own lines, not the plot."""
+    from paratrain.diagnose.plot import load_run
+
+    (tmp_path / "metrics.jsonl").write_bytes(
+        b'{"step": 1, "loss": 2.0}\n\xff\xfe garbage\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo'
+    )
+    run = load_run(tmp_path)
+    assert run["step"] == [1, 2] and run["loss"] == [2.0, 1.5]

@@ -64,7 +64,8 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
             "(--run-dir, or runs/<time>-<strategy>)."
         )
     records = []
-    for line in metrics_path.read_text().splitlines():
+    # undecodable bytes (a damaged file) spoil their line only, as a line cut short by a crash does
+    for line in metrics_path.read_text(errors="replace").splitlines():
         try:
             records.append(json.loads(line))
         except ValueError:  # a line cut short by a crash

@@ -221,13 +221,14 @@ def lint_source(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # invalid escape sequences in the user's strings are not ours
             tree = ast.parse(text, filename=path)
-    except (SyntaxError, ValueError) as e:  # ValueError: source with NUL bytes
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        # ValueError: source with NUL bytes; RecursionError/MemoryError: nesting deeper than the parser takes
         # Reported even when --select leaves it out (as ruff does): a file that does not parse went unchecked.
         if SYNTAX_ERROR not in _chosen(None, ignore):
             return []
         line = getattr(e, "lineno", None) or 1
         col = getattr(e, "offset", None) or 1
-        reason = getattr(e, "msg", None) or str(e)
+        reason = getattr(e, "msg", None) or str(e) or type(e).__name__
         return [
             Finding(
                 path,
@@ -289,7 +290,7 @@ def lint_paths(
         report.files += 1
         try:
             text = read_source(f)
-        except (OSError, UnicodeDecodeError, SyntaxError) as e:
+        except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as e:  # LookupError: `# coding: rot13`
             message = f"cannot read the file as Python source: {e}"
             fix = "save the file as UTF-8 (or declare its encoding in a coding comment)"
             report.findings.append(Finding(str(f), 1, 1, SYNTAX_ERROR, "error", message, fix))

@@ -96,6 +96,53 @@ def _rank_ifs(m: Module, node: ast.AST) -> Iterator[tuple[ast.If | ast.IfExp, bo
         child = a
 
 
+_FLIP = {
+    "==": "!=",
+    "!=": "==",
+    "<": ">=",
+    ">=": "<",
+    ">": "<=",
+    "<=": ">",
+    "truthy": "falsy",
+    "falsy": "truthy",
+}
+_SWAP = {"==": "==", "!=": "!=", "<": ">", ">": "<", "<=": ">=", ">=": "<="}
+_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+
+
+def _predicate(test: ast.expr, negated: bool = False) -> tuple[str, str, str] | None:
+    """``test`` (or its negation) as ``(subject, op, value)``, normalised for ranks (never negative, so
+    ``r > 0`` and ``r >= 1`` are ``r != 0``, ``r < 1`` and ``r <= 0`` are ``r == 0``); ``None`` when it is
+    not a single comparison or a plain truth test."""
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, negated = test.operand, not negated
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS:
+        op, left, right = _OPS[type(test.ops[0])], test.left, test.comparators[0]
+        if isinstance(left, ast.Constant) and not isinstance(right, ast.Constant):
+            left, right, op = right, left, _SWAP[op]
+        if not isinstance(right, ast.Constant):
+            return None
+        pred = (ast.unparse(left), op, repr(right.value))
+    elif isinstance(test, ast.Name | ast.Attribute | ast.Call):
+        pred = (ast.unparse(test), "truthy", "")
+    else:
+        return None
+    return _normal(_negate(pred) if negated else pred)
+
+
+def _negate(pred: tuple[str, str, str]) -> tuple[str, str, str]:
+    return _normal((pred[0], _FLIP[pred[1]], pred[2]))
+
+
+def _normal(pred: tuple[str, str, str]) -> tuple[str, str, str]:
+    subject, op, value = pred
+    if (op, value) in ((">", "0"), (">=", "1")):
+        return subject, "!=", "0"
+    if (op, value) in (("<=", "0"), ("<", "1")):
+        return subject, "==", "0"
+    return pred
+
+
 @rule(
     "rank-conditional-collective",
     "PTL011",
@@ -120,7 +167,8 @@ def rank_conditional_collective(m: Module) -> Iterator[Hit]:
     Fix: every rank calls the collective; only the rank-specific work stays under the condition.
     """
     functions = _collective_functions(m)
-    sites: list[tuple[ast.Call, set[str], ast.AST, str]] = []
+    # (call, its ops, the guard, where, the condition under which the call runs)
+    sites: list[tuple[ast.Call, set[str], ast.AST, str, tuple[str, str, str] | None]] = []
     for c in m.calls:
         ops = _ops_of(m, c, functions)
         if not ops:
@@ -133,7 +181,8 @@ def rank_conditional_collective(m: Module) -> Iterator[Hit]:
                 else _ops_of_expr(m, other, functions)
             )
             if not ops & other_ops:
-                sites.append((c, ops, cond, f"`if {ast.unparse(cond.test)}` (line {cond.lineno})"))
+                where = f"`if {ast.unparse(cond.test)}` (line {cond.lineno})"
+                sites.append((c, ops, cond, where, _predicate(cond.test, negated=not in_body)))
                 break
         else:
             exit_if = m.early_exit(c)
@@ -148,9 +197,12 @@ def rank_conditional_collective(m: Module) -> Iterator[Hit]:
                         ops,
                         exit_if,
                         f"the early exit `if {ast.unparse(exit_if.test)}` (line {exit_if.lineno})",
+                        _predicate(exit_if.test, negated=True),  # past the exit: its test was false
                     )
                 )
-    for c, ops, guard, where in sites:
+    for c, ops, guard, where, pred in sites:
+        # the "rank 0 first" pattern: the same op under the complementary condition elsewhere in the scope
+        # (`if rank != 0: barrier()` ... `if rank == 0: barrier()`); every rank calls it once
         paired = any(
             o is not c
             and oc is not guard
@@ -158,7 +210,9 @@ def rank_conditional_collective(m: Module) -> Iterator[Hit]:
             and m.scope_of(o) is m.scope_of(c)
             and oc not in m.ancestors(guard)
             and guard not in m.ancestors(oc)
-            for o, oops, oc, _ in sites
+            and pred is not None
+            and opred == _negate(pred)
+            for o, oops, oc, _, opred in sites
         )
         if paired:
             continue
