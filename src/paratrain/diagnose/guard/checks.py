@@ -182,8 +182,12 @@ def compare_inputs() -> bool:
 
 
 def sampler_order(sampler: Any, indices: list[int]) -> None:
-    """Called with each epoch's indices of a ``DistributedSampler``: the same shuffled order twice in a row."""
+    """Called with each epoch's indices of a ``DistributedSampler``: the same shuffled order twice in a row,
+    from a sampler whose ``set_epoch`` was never called (a script that calls it and then iterates twice in
+    one epoch, e.g. for the training accuracy, sees one order twice by design)."""
     if not getattr(sampler, "shuffle", False) or len(indices) < 2:
+        return
+    if getattr(sampler, "_paratrain_guard_set_epoch", False):
         return
     key = hash(tuple(indices))
     if getattr(sampler, "_paratrain_guard_order", None) == key:

@@ -10,7 +10,8 @@ Patched at the narrowest points, all public API:
   and placement checks of :mod:`checks`);
 - ``torch.optim.optimizer.register_optimizer_step_post_hook`` (a global hook, no patch): the step counter
   and, every K steps of the first optimizer that steps, :func:`desync.compare`;
-- ``DistributedSampler.__iter__``: the order of each epoch, for ``no-set-epoch``.
+- ``DistributedSampler.__iter__``: the order of each epoch, for ``no-set-epoch`` (``set_epoch``: whether
+  the script advances the epoch at all).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Guard:
         self._patch(torch.nn.DataParallel, "__init__", lambda f: self._wrap_ctor(f, "DataParallel"))
         self._patch_fully_shard()
         self._patch(DistributedSampler, "__iter__", self._wrap_sampler_iter)
+        self._patch(DistributedSampler, "set_epoch", self._wrap_set_epoch)
         handle = register_optimizer_step_post_hook(self._after_step)
         self._undo.append(handle.remove)
         self.watcher.start()
@@ -151,6 +153,14 @@ class Guard:
             return iter(indices)
 
         return __iter__
+
+    def _wrap_set_epoch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def set_epoch(sampler: Any, epoch: int) -> None:
+            sampler._paratrain_guard_set_epoch = True  # the script advances epochs: no-set-epoch is moot
+            original(sampler, epoch)
+
+        return set_epoch
 
     # -- models, forward, step ------------------------------------------------------------------------------
     def remember(self, model: torch.nn.Module) -> None:
