@@ -377,6 +377,22 @@ VARIANTS: dict[str, str] = {
         main()
         """)
     + TAIL,
+    "unseeded: seeded in main() after the build (the call of main() is no seed before it)": HEAD.replace(
+        "torch.manual_seed(0)\n", ""
+    )
+    + textwrap.dedent("""\
+        def main() -> None:
+            model = nn.Linear(10, 10).to(device)  # <- unseeded-init
+            torch.manual_seed(0)
+            print(model)
+        main()
+        """)
+    + TAIL,
+    "unseeded: a seed from the rank gives each rank its own weights": HEAD.replace(
+        "torch.manual_seed(0)\n", "torch.manual_seed(42 + rank)\n"
+    )
+    + "model = nn.Linear(10, 10).to(device)  # <- unseeded-init\n"
+    + TAIL,
     "unseeded: weights loaded after the build": HEAD.replace("torch.manual_seed(0)\n", "")
     + textwrap.dedent("""\
         model = nn.Linear(10, 10).to(device)

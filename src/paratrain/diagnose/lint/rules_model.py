@@ -140,6 +140,8 @@ def _seeds_torch(m: Module, call: ast.Call) -> bool:
         return not is_const(kwarg(call, "seed"), None)
     last = full.rpartition(".")[2]
     if "seed" in last.lower():
+        if any(m.is_rank_test(a) for a in [*call.args, *(k.value for k in call.keywords)]):
+            return False  # manual_seed(rank), seed + rank: every rank its own weights, the bug itself
         return not (full in _NOT_TORCH_SEEDS or full.startswith("torch.cuda.") or last == "initial_seed")
     return False
 
@@ -175,8 +177,10 @@ def _seeded_before(m: Module, node: ast.AST, depth: int = 0) -> bool:
         return True
     if scope is m.tree:
         return False
-    if any(m.scope_of(c) is m.tree for c in seeds):
-        return True  # module-level code runs at import, before any function is called
+    if any(m.scope_of(c) is m.tree and _seeds_torch(m, c) for c in seeds):
+        # module-level code runs at import, before any function is called; a module-level call of a
+        # function that seeds (`main()`) is judged through the call sites below, in source order
+        return True
     func = m.enclosing_function(node)
     sites = m.call_sites(func) if func is not None and depth < 4 else []
     if not sites:
