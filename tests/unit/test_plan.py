@@ -549,3 +549,17 @@ def test_pipeline_fsdp_stage_keeps_parameters_unsharded_between_micro_batches() 
     assert terms["unsharded params (pipeline FSDP stage)"] == pytest.approx(2 * terms["params"], rel=0.01)
     plain = run_json(*args[:3], "2", *args[4:], "--strategy", "pp")["plans"][0]
     assert "unsharded params (pipeline FSDP stage)" not in plain["peak_moment"]["terms"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "ranks"),
+    [("fsdp+tp", 4), ("fsdp+tp+pp", 8), ("fsdp+pp", 4), ("pp", 4), ("tp", 2), ("hsdp", 4)],
+)
+def test_plan_picks_the_layout_train_picks_for_the_same_flags(strategy: str, ranks: int) -> None:
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import get_strategy
+    from paratrain.plan.cli import predict_run
+
+    got = predict_run(["--model", "llama-small", "--strategy", strategy, "--nproc-per-node", str(ranks)])
+    train = get_strategy(strategy).topology_for(ranks, StrategyConfig(name=strategy)).degrees()
+    assert got["layout"] == {k: train[k] for k in got["layout"]}

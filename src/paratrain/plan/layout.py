@@ -142,6 +142,22 @@ def check(layout: Layout, gpus: int, shape: TransformerShape | None, model: str 
         )
 
 
+def _train_defaults(
+    name: str, gpus: int, tp: int | None, pp: int | None, dp_shard: int | None, dp_replicate: int | None
+) -> tuple[int, int]:
+    """The tp and pp ``paratrain train`` picks for this preset on ``gpus`` ranks (the preset's own rule,
+    :meth:`paratrain.parallel.tensor.ModelParallel.topology_for`), given degrees kept."""
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import get_strategy
+
+    config = StrategyConfig(name=name, tp=tp or 1, pp=pp or 1, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    try:
+        topo = get_strategy(name).topology_for(gpus, config)
+    except ConfigError:
+        return tp or 1, pp or 1  # the checks below name what does not divide
+    return topo.tp, topo.pp
+
+
 def resolve(
     strategy: str | None,
     gpus: int,
@@ -156,9 +172,9 @@ def resolve(
 ) -> tuple[str, str, Layout]:
     """``(strategy name, sharding, layout)`` from ``--strategy`` and the degree flags, validated.
 
-    Degrees not given default the way ``paratrain train`` does: the data-parallel degree is what is left;
-    ``hsdp`` shards within a node; ``fsdp+tp`` takes the largest valid tp that fits in a node; ``fsdp+pp``
-    takes pp 2.
+    Degrees not given default the way ``paratrain train`` does (the preset's own rule: ``tp`` and ``pp`` take
+    every rank, ``fsdp+tp``/``fsdp+pp``/``fsdp+tp+pp`` take 2 for their axes); the data-parallel degree is
+    what is left; ``hsdp`` shards within a node.
     """
     for flag, v in (("--tp", tp), ("--pp", pp), ("--dp-shard", dp_shard), ("--dp-replicate", dp_replicate)):
         if v is not None and v < 1:
@@ -173,16 +189,13 @@ def resolve(
         raise ConfigError(
             f"--strategy single runs on one GPU, not {gpus}; choose ddp, zero1, zero2 or zero3."
         )
-    if name in ("tp", "fsdp+tp", "fsdp+tp+pp") and tp is None:
-        limit = gpus if name == "tp" else min(gpus_per_node, gpus // (pp or 1))
-        cands = [t for t in valid_tp(shape, limit) if t > 1 and (gpus // (pp or 1)) % t == 0]
-        if not cands:
+    if name in ("tp", "fsdp+tp", "fsdp+tp+pp", "pp", "fsdp+pp") and (tp is None or pp is None):
+        tp, pp = _train_defaults(name, gpus, tp, pp, dp_shard, dp_replicate)
+        if name in ("tp", "fsdp+tp", "fsdp+tp+pp") and tp <= 1:
             raise ConfigError(
-                f"--strategy {name}: no tp degree > 1 divides both {gpus} GPUs and the heads of {model}."
+                f"--strategy {name}: no tp degree > 1 divides {gpus} GPUs; give --tp (it must divide the "
+                f"heads of {model})."
             )
-        tp = cands[-1]
-    if name in ("pp", "fsdp+pp", "fsdp+tp+pp") and pp is None:
-        pp = gpus // (tp or 1) if name == "pp" else 2
     tp, pp = tp or 1, pp or 1
     if dp_shard is None or dp_replicate is None:  # one data-parallel degree is inferred: the rest must divide
         given = {"tp": tp, "pp": pp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}
