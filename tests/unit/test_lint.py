@@ -630,6 +630,7 @@ VARIANTS: dict[str, str] = {
             os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(29500 + int(os.environ["LOCAL_RANK"]) // 8)
         os.environ.update({"MASTER_ADDR": "10.0.0.1"})  # <- hardcoded-rendezvous
+        os.environ.update(MASTER_PORT="1234")  # <- hardcoded-rendezvous
         dist.init_process_group("nccl")
         dist.destroy_process_group()
         """),

@@ -393,11 +393,12 @@ def _rendezvous_writes(m: Module) -> Iterator[tuple[ast.AST, str]]:
                         yield n, str(key.value)
         elif isinstance(n, ast.Call):
             callee = m.callee(n)
-            if callee.endswith("environ.update") and n.args and isinstance(n.args[0], ast.Dict):
-                for k, v in zip(n.args[0].keys, n.args[0].values, strict=True):
-                    if isinstance(k, ast.Constant) and k.value in _RENDEZVOUS and _literal(v):
-                        yield n, str(k.value)
-                for kw in n.keywords:
+            if callee.endswith("environ.update"):
+                if n.args and isinstance(n.args[0], ast.Dict):
+                    for k, v in zip(n.args[0].keys, n.args[0].values, strict=True):
+                        if isinstance(k, ast.Constant) and k.value in _RENDEZVOUS and _literal(v):
+                            yield n, str(k.value)
+                for kw in n.keywords:  # os.environ.update(MASTER_ADDR="10.0.0.1")
                     if kw.arg in _RENDEZVOUS and _literal(kw.value):
                         yield n, kw.arg
             elif (
