@@ -220,8 +220,8 @@ def preflight_resume(
     ``verify``: compare checksums too (reads the checkpoint once; the workers verify again, split among ranks).
     """
     mode = cfg.checkpoint.resume
+    root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
     if mode == "never":
-        root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
         earlier = [p for p in list_checkpoints(root) if (p / COMMIT_FILE).is_file()] if root else []
         if earlier:
             print(
@@ -233,7 +233,6 @@ def preflight_resume(
             )
         return None
     if mode == "auto":
-        root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
         if root is None:
             return None
 
@@ -265,10 +264,8 @@ def preflight_resume(
 
 def _check_same_optimizer(cfg: RunConfig, path: Path) -> None:
     """The optimizer's state (AdamW's moments, SGD's momentum) resumes only into the same optimizer."""
-    try:
-        saved = json.loads((path / TRAIN_STATE_FILE).read_bytes()).get("config", {}).get("optimizer", {})
-    except (OSError, ValueError, AttributeError):
-        return  # the workers' own checks report a damaged train state
+    config = _read_state(path).get("config")  # {} when damaged: the workers report it
+    saved = config.get("optimizer") if isinstance(config, dict) else None
     name = saved.get("name") if isinstance(saved, dict) else None
     if isinstance(name, str) and name != cfg.optimizer.name:
         raise ConfigError(

@@ -14,8 +14,8 @@ slowest placement sets the pace. MPI launchers bind by default (``mpirun --bind-
   worker (``os.execv``). The pid stays the one the elastic agent watches, and the binding is in place
   before the worker's interpreter starts, so every thread it makes (OpenMP's, Gloo's) inherits it.
 
-This file imports nothing but ``os`` and ``sys``: run as a script, its directory comes first on
-``sys.path``.
+This file imports only the standard library, none of it named like a file of this directory: run as a
+script, its directory comes first on ``sys.path``.
 """
 
 from __future__ import annotations
