@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import logging
 import os
 import random
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -309,10 +312,12 @@ def record_errors(fn: Any) -> Any:
         except SystemExit:
             raise
         except BaseException as e:
+            raised_at = time.time()
             handler = ErrorHandler()
             handler.initialize()
-            if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-                handler.record_exception(e)
+            path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+            if path:
+                _write_error_file(path, e, raised_at)
                 rank = os.environ.get("RANK", "?")
                 print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             else:
@@ -320,3 +325,24 @@ def record_errors(fn: Any) -> Any:
             sys.exit(1)
 
     return wrapper
+
+
+def _write_error_file(path: str, e: BaseException, raised_at: float) -> None:
+    """The agent's error file, in the layout torch's ``ErrorHandler.record_exception`` writes, plus the
+    time the exception was caught to the microsecond (``raised_at``): torch's own ``timestamp`` is whole
+    seconds, too coarse to tell which of two ranks failed first."""
+    data = {
+        "message": {
+            "message": f"{type(e).__name__}: {e}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(raised_at)),
+                "raised_at": repr(raised_at),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError as err:
+        print(f"paratrain: could not write the error file {path}: {err}", file=sys.stderr, flush=True)

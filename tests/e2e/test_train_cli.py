@@ -157,6 +157,43 @@ def test_worker_error_file_gives_message_and_frame(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr  # one line per failing rank, not a wall of tracebacks
 
 
+_BOTH_RAISE = (
+    "import atexit, os, time\n"
+    "from paratrain.runtime import record_errors\n"
+    "FIRST = {first}\n"
+    "@record_errors\n"
+    "def main():\n"
+    "    rank = int(os.environ['RANK'])\n"
+    "    if rank != FIRST:\n"
+    "        time.sleep(1.0)\n"
+    "    if rank == 0:\n"
+    "        atexit.register(time.sleep, 60)  # a teardown that hangs: the agent SIGTERMs it\n"
+    "    raise ValueError(f'rank {rank} broke')\n"
+    "main()\n"
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("first", [0, 1])
+def test_headline_is_the_rank_that_raised_first(tmp_path: Path, first: int) -> None:
+    """Both ranks raise; rank 0 then hangs in its teardown until the agent SIGTERMs it. The headline is the
+    rank that raised first, and a rank that raised is never reported as "killed by signal SIGTERM"."""
+    script = tmp_path / "both.py"
+    script.write_text(_BOTH_RAISE.replace("{first}", str(first)))
+    proc = run_cli("launch", "--nproc-per-node", "2", str(script), cwd=tmp_path, check=False)
+    assert proc.returncode == 1
+    report = proc.stderr[proc.stderr.index("paratrain launch: ") :]
+    headline = report.splitlines()[0]
+    if first == 0:
+        assert "rank 0 failed: ValueError: rank 0 broke" in headline, proc.stderr
+    else:
+        assert "rank 1 failed (exit code 1): ValueError: rank 1 broke" in headline, proc.stderr
+    assert "SIGTERM" not in headline, proc.stderr
+    other = 1 - first
+    assert f"ranks [{other}] stopped after it." in report, proc.stderr
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_checkpoint_dir_that_is_a_file_is_rejected(tmp_path: Path) -> None:

@@ -27,6 +27,11 @@ class RankFailure:
     message: str
     traceback: str
     timestamp: int
+    raised_at: float = 0.0  # when the rank caught its exception (record_errors), 0 if it recorded none
+
+    @property
+    def when(self) -> float:
+        return self.raised_at or float(self.timestamp)
 
 
 def _describe_exit(code: int) -> str:
@@ -42,14 +47,20 @@ def read_failures(err: Any) -> list[RankFailure]:
     out = []
     for rank, f in err.failures.items():
         data = f.error_file_data.get("message", {}) if isinstance(f.error_file_data, dict) else {}
+        raised_at = 0.0
         if isinstance(data, dict):
             msg = data.get("message", "") or ""
-            tb = (data.get("extraInfo") or {}).get("py_callstack", "") or ""
+            extra = data.get("extraInfo") or {}
+            tb = extra.get("py_callstack", "") or ""
+            try:
+                raised_at = float(extra.get("raised_at", 0.0))
+            except (TypeError, ValueError):
+                raised_at = 0.0
         else:
             msg, tb = str(data), ""
         if not msg or msg == "<NONE>" or msg.startswith("To enable traceback"):
             msg = _describe_exit(f.exitcode)
-        out.append(RankFailure(rank, f.local_rank, f.exitcode, msg, tb, int(f.timestamp or 0)))
+        out.append(RankFailure(rank, f.local_rank, f.exitcode, msg, tb, int(f.timestamp or 0), raised_at))
     return sorted(out, key=_root_cause_order)
 
 
@@ -57,10 +68,13 @@ def _noticed_a_dead_peer(f: RankFailure) -> bool:
     return f.message.startswith("PeerLostError") or "stopped responding" in f.message
 
 
-def _root_cause_order(f: RankFailure) -> tuple[int, int, int]:
+def _root_cause_order(f: RankFailure) -> tuple[int, float, int]:
     """Root cause first: a recorded exception, then a non-zero exit, then a signal; last, SIGTERM, which
     the agent itself sends to the surviving ranks once one has failed. A rank whose error only reports
-    that a peer died (``PeerLostError``) comes after that peer: the dead rank is the headline."""
+    that a peer died (``PeerLostError``) comes after that peer: the dead rank is the headline. Among
+    ranks that recorded an exception, the one that raised first leads (``raised_at``, to the microsecond;
+    a rank that raised and was then SIGTERMed by the agent while it tore down still raised), then the
+    lowest rank."""
     if f.traceback and not _noticed_a_dead_peer(f):
         kind = 0
     elif _noticed_a_dead_peer(f):
@@ -71,13 +85,17 @@ def _root_cause_order(f: RankFailure) -> tuple[int, int, int]:
         kind = 3
     else:
         kind = 1
-    return (kind, f.timestamp, f.rank)
+    return (kind, f.when, f.rank)
 
 
 def format_failure(failures: list[RankFailure], attempts: int) -> str:
     first = failures[0]
     if first.exitcode < 0 and first.message == _describe_exit(first.exitcode):
         lines = [f"rank {first.rank} died ({first.message})"]  # no error of its own: killed
+    elif first.traceback and first.exitcode == -signal.SIGTERM:
+        # it raised, and the agent's SIGTERM (sent once another rank had exited) cut its teardown short:
+        # the exception is the failure, the signal is not
+        lines = [f"rank {first.rank} failed: {first.message}"]
     else:
         lines = [f"rank {first.rank} failed ({_describe_exit(first.exitcode)}): {first.message}"]
     frame = _last_frame(first.traceback)
