@@ -181,6 +181,44 @@ def test_a_perturbed_replica_is_named_with_step_parameter_and_rank(tmp_path: Pat
     assert "finished" not in proc.stdout  # the job stopped at step 10
 
 
+UNWRAPPED_DESYNC = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+net = torch.nn.Sequential()
+net.add_module("fc", torch.nn.Linear(8, 4))
+net.add_module("head", torch.nn.Linear(4, 1))
+loss_fn = torch.nn.MSELoss()  # a module without parameters that also runs a forward
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+gen = torch.Generator().manual_seed(rank)
+for step in range(1, 13):
+    x = torch.randn(16, 8, generator=gen)
+    loss = loss_fn(net(x), torch.zeros(16, 1))
+    opt.zero_grad()
+    loss.backward()
+    for p in net.parameters():  # a hand-written data parallel: no wrapper for the guard to see
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+    if step == 5 and rank == 1:
+        with torch.no_grad():
+            net.fc.bias[0] += 1e-3
+print(f"rank {rank} finished", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_desync_of_an_unwrapped_model_names_the_parameter(tmp_path: Path) -> None:
+    proc, _, out = guard(tmp_path, UNWRAPPED_DESYNC, 2, "--check-desync-every", "4")
+    assert proc.returncode != 0, out
+    assert (
+        "paratrain guard: desync at step 8 (in sync at step 4): parameter fc.bias differs: rank 0 vs rank 1 "
+        "(no majority)" in guard_lines(out)
+    ), out
+    assert "param_groups" not in out, out
+
+
 NO_SAMPLER = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -10,6 +10,9 @@ Patched at the narrowest points, all public API:
   and placement checks of :mod:`checks`);
 - ``torch.optim.optimizer.register_optimizer_step_post_hook`` (a global hook, no patch): the step counter
   and, every K steps of the first optimizer that steps, :func:`desync.compare`;
+- ``torch.nn.modules.module.register_module_forward_pre_hook`` (global, removed at the first optimizer
+  step): the modules that ran a forward before it, so that a model no wrapper saw (a hand-written gradient
+  all-reduce) is still compared by parameter name, not by optimizer index;
 - ``DistributedSampler.__iter__``: the order of each epoch, for ``no-set-epoch`` (``set_epoch``: whether
   the script advances the epoch at all).
 """
@@ -58,6 +61,11 @@ class Guard:
         """Rank 0: a first forward happened and the ranks' inputs are still to be compared."""
         self.last_ok: int | None = None
         self._undo: list[Callable[[], None]] = []
+        self._seen: dict[int, weakref.ref[torch.nn.Module]] = {}
+        """Modules that ran a forward before the first optimizer step (until then only)."""
+        self._stop_seeing: Callable[[], None] | None = None
+        self.unwrapped: list[weakref.ref[torch.nn.Module]] = []
+        """The outermost modules seen that hold the stepping optimizer's parameters (no wrapper seen)."""
 
     # -- install ---------------------------------------------------------------------------------------------
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -85,6 +93,9 @@ class Guard:
         self._patch(DistributedSampler, "set_epoch", self._wrap_set_epoch)
         handle = register_optimizer_step_post_hook(self._after_step)
         self._undo.append(handle.remove)
+        seen = torch.nn.modules.module.register_module_forward_pre_hook(self._seen_forward)
+        self._stop_seeing = seen.remove
+        self._undo.append(self._end_seeing)
         self.watcher.start()
         self._undo.append(self.watcher.stop)
 
@@ -188,9 +199,36 @@ class Guard:
         except Exception as e:
             self.note(f"first-forward checks skipped: {e}")
 
+    def _seen_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in self._seen:
+            self._seen[id(module)] = weakref.ref(module)
+
+    def _end_seeing(self) -> None:
+        if self._stop_seeing is not None:
+            self._stop_seeing()
+            self._stop_seeing = None
+        self._seen.clear()
+
+    def _find_unwrapped(self, optimizer: Any) -> None:
+        """At the first step: the outermost modules that ran a forward and hold the optimizer's parameters."""
+        alive = [m for ref in self._seen.values() if (m := ref()) is not None]
+        self._end_seeing()
+        inner = {id(sub) for m in alive for sub in list(m.modules())[1:]}
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.unwrapped = [
+            weakref.ref(m)
+            for m in alive
+            if id(m) not in inner and any(id(p) in stepped for p in m.parameters())
+        ]
+
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._optimizer is None:
             self._optimizer = weakref.ref(optimizer)
+            try:
+                self._find_unwrapped(optimizer)
+            except Exception as e:  # a check must never break the user's script
+                self._end_seeing()
+                self.note(f"model discovery skipped: {e}")
         if self._optimizer() is not optimizer:
             return
         self.steps += 1
@@ -208,8 +246,9 @@ class Guard:
                 self.note(f"input comparison skipped: {e}")
 
     def check_desync(self, optimizer: Any = None) -> None:
-        """Compare the remembered models (or the optimizer's parameters); raises DesyncError."""
-        roots = self.roots()
+        """Compare the remembered models (wrapped ones, else the unwrapped models found at the first step,
+        else the optimizer's parameters by index); raises DesyncError."""
+        roots = self.roots() or [m for ref in self.unwrapped if (m := ref()) is not None]
         named: list[tuple[str, torch.Tensor]] = []
         for i, model in enumerate(roots):
             prefix = f"model{i}." if len(roots) > 1 else ""
