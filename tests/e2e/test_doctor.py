@@ -133,3 +133,22 @@ def test_a_slow_rank_is_named() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr  # slow is a warning, not a failure
     line = next(ln for ln in proc.stdout.splitlines() if "selftest busbw" in ln)
     assert line.startswith("warning selftest busbw: rank 2 slow"), line
+
+
+@pytest.mark.timeout(120)
+def test_the_timeout_counts_from_the_start_of_the_command() -> None:
+    """``--timeout`` bounds the whole command: time spent before the checks (the interpreter, imports; here a
+    3 s sleep standing in for a slow start) is taken off the self-test's share."""
+    code = (
+        "import sys, time\n"
+        "time.sleep(3)\n"
+        "from paratrain.diagnose.doctor import main\n"
+        "sys.exit(main(['--json', '--timeout', '30']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    st = report(proc)["selftest"]
+    # the self-test gets what is left of 30 s after >= 3 s of start-up and the static checks, minus 1 s
+    assert 15 < st["timeout_s"] <= 30 - 3 - 1, st
