@@ -181,10 +181,12 @@ class StrategyConfig:
     dp_shard: int | None = option(None)
     """Data-parallel ranks the model, gradients and optimizer state are sharded over (ZeRO/FSDP).
     Default: what the strategy preset says (``zero*``: every data-parallel rank)."""
-    tp: int = option(1)
-    """Tensor-parallel degree (innermost mesh axis: consecutive ranks, one node)."""
-    pp: int = option(1)
-    """Pipeline-parallel degree (outermost mesh axis)."""
+    tp: int | None = option(None)
+    """Tensor-parallel degree (innermost mesh axis: consecutive ranks, one node). Default: what the strategy
+    preset says (``tp``: every rank; ``fsdp+tp``, ``fsdp+tp+pp``: 2; the others: 1)."""
+    pp: int | None = option(None)
+    """Pipeline-parallel degree (outermost mesh axis). Default: what the strategy preset says (``pp``: every
+    rank; ``fsdp+pp``, ``fsdp+tp+pp``: 2; the others: 1)."""
     bucket_cap_mb: float = 25.0
     """Gradient bucket size in MiB (``ddp``, ``dp``, ``zero1``/``zero2``)."""
     gradient_as_bucket_view: bool = False
@@ -228,8 +230,8 @@ class StrategyConfig:
         _check_positive("strategy", "shard_size", self.shard_size, allow_none=True)
         _check_positive("strategy", "dp_replicate", self.dp_replicate, allow_none=True)
         _check_positive("strategy", "dp_shard", self.dp_shard, allow_none=True)
-        _check_positive("strategy", "tp", self.tp)
-        _check_positive("strategy", "pp", self.pp)
+        _check_positive("strategy", "tp", self.tp, allow_none=True)
+        _check_positive("strategy", "pp", self.pp, allow_none=True)
         _check_choice("strategy", "mixed_precision", self.mixed_precision, ["fp32", "bf16"])
         if not self.shard_units.strip():
             raise ConfigError(

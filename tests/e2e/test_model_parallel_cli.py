@@ -68,6 +68,15 @@ BAD = {
         ["--strategy", "tp", "--nproc-per-node", "2", "--set", "model.ffn_hidden=191"],
         "does not divide the feed-forward width (model.ffn_hidden=191)",
     ),
+    "tp-1": (
+        ["--strategy", "tp", "--tp", "1", "--nproc-per-node", "2"],
+        "strategy 'tp' splits the model over its tp axis, but --tp 1 was given",
+    ),
+    "set-pp-1": (
+        ["--strategy", "fsdp+tp+pp", "--set", "strategy.pp=1", "--nproc-per-node", "4"],
+        "--pp 1 was given, which would run it without that axis. Give a degree above 1 that divides the 4 "
+        "ranks, or use --strategy fsdp+tp.",
+    ),
     "seq-len/sp": (
         ["--strategy", "tp", "--nproc-per-node", "2", "--seq-len", "33"],
         "--seq-len 33 does not split into --tp 2 equal parts",

@@ -41,6 +41,9 @@ def _degrees(name: str, world: int, **kw: object) -> dict[str, int]:
         ("fsdp+tp+pp", 4, {}, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}),
         ("fsdp+tp+pp", 8, {}, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}),
         ("fsdp+tp+pp", 8, {"tp": 4}, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 4}),
+        # an explicit degree is kept, 1 included where the preset does not own that axis
+        ("fsdp+tp", 4, {"pp": 1}, {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+        ("ddp", 2, {"tp": 1, "pp": 1}, {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1}),
     ],
 )
 def test_presets_fill_in_the_degrees(name: str, world: int, kw: dict[str, int], want: dict[str, int]) -> None:
@@ -60,6 +63,13 @@ def test_presets_fill_in_the_degrees(name: str, world: int, kw: dict[str, int], 
         ("fsdp+tp", 3, {}, "'fsdp\\+tp' on 3 ranks came out as tp 1: its tp axis would have degree 1"),
         ("fsdp+pp", 3, {}, "its pp axis would have degree 1"),
         ("fsdp+tp+pp", 2, {}, "came out as tp 2 x pp 1: its pp axis .* multiple of 4 ranks"),
+        # an explicit --tp 1 / --pp 1 is not taken for "unset" (it used to be replaced by the default 2)
+        ("tp", 2, {"tp": 1}, "'tp' splits the model over its tp axis, but --tp 1 was given.*--strategy ddp"),
+        ("fsdp+tp", 4, {"tp": 1}, "--tp 1 was given.*divides the 4 ranks, or use --strategy zero3"),
+        ("pp", 2, {"pp": 1}, "--pp 1 was given.*--strategy ddp"),
+        ("fsdp+tp+pp", 4, {"pp": 1}, "--pp 1 was given.*--strategy fsdp\\+tp\\.$"),
+        # an unset flag is not printed as None
+        ("fsdp+tp", 2, {"tp": 2, "dp_shard": 2}, "^topology: --dp-shard 2 does not divide the 1 data"),
     ],
 )
 def test_bad_degrees_are_refused(name: str, world: int, kw: dict[str, object], match: str) -> None:
@@ -74,10 +84,16 @@ def _meta(**overrides: object) -> torch.nn.Module:
 def test_launch_checks_on_the_meta_model() -> None:
     cfg = StrategyConfig(name="tp")
     with pytest.raises(
-        ConfigError, match=r"degree 4 does not divide the heads .*n_kv_heads=2.*--tp one of 1, 2"
+        ConfigError, match=r"degree 4 does not divide the heads .*n_kv_heads=2.*--tp one of 2,"
     ):
         get_strategy("tp").check_model(_meta(), 4, cfg)
     get_strategy("tp").check_model(_meta(), 2, cfg)
+    # every degree the message suggests is one the strategy accepts on that world (not 1, dividing the ranks)
+    with pytest.raises(ConfigError, match=r"degree 3 does not divide the heads .* No degree above 1 divides both "
+                       r"the heads \(divisors 1, 2\) and the 3 ranks: run on a multiple of 2 ranks"):  # fmt: skip
+        get_strategy("tp").check_model(_meta(), 3, cfg)
+    with pytest.raises(ConfigError, match=r"degree 4 does not divide .*Use --tp one of 2,"):
+        get_strategy("tp").check_model(_meta(), 4, cfg)
     with pytest.raises(ConfigError, match="has 4 stages but the model has 3 layers"):
         get_strategy("pp").check_model(_meta(n_layers=3), 4, StrategyConfig(name="pp"))
     interleaved = StrategyConfig(name="pp", pp_schedule="interleaved-1f1b")

@@ -563,3 +563,21 @@ def test_plan_picks_the_layout_train_picks_for_the_same_flags(strategy: str, ran
     got = predict_run(["--model", "llama-small", "--strategy", strategy, "--nproc-per-node", str(ranks)])
     train = get_strategy(strategy).topology_for(ranks, StrategyConfig(name=strategy)).degrees()
     assert got["layout"] == {k: train[k] for k in got["layout"]}
+
+
+def test_plan_treats_an_explicit_degree_of_1_as_train_does() -> None:
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import check_strategy, get_strategy
+    from paratrain.plan.cli import predict_run
+
+    base = ["--model", "llama-small", "--nproc-per-node"]
+    # --tp 1 with a tp preset: train refuses it before launch, and so does plan, with the same message
+    with pytest.raises(ConfigError, match="--tp 1 was given") as planned:
+        predict_run([*base, "2", "--strategy", "tp", "--tp", "1"])
+    with pytest.raises(ConfigError) as trained:
+        check_strategy(get_strategy("tp"), 2, StrategyConfig(name="tp", tp=1))
+    assert str(planned.value) == str(trained.value)
+    # --pp 1 where the preset does not own pp: kept, and both pick tp 2 x dp_shard 2
+    got = predict_run([*base, "4", "--strategy", "fsdp+tp", "--pp", "1"])
+    train = get_strategy("fsdp+tp").topology_for(4, StrategyConfig(name="fsdp+tp", pp=1)).degrees()
+    assert got["layout"] == {k: train[k] for k in got["layout"]} and train["tp"] == 2

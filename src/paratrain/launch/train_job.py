@@ -35,7 +35,7 @@ from paratrain.launch.failures import LaunchError
 def preflight_run(cfg: RunConfig) -> int:
     """Every check of ``paratrain train`` that can fail before a process starts. Returns the world size.
 
-    Also resolves the topology into ``cfg.strategy`` (``dp_replicate``/``dp_shard``), so the workers build
+    Also resolves the topology into ``cfg.strategy`` (``dp_replicate``/``dp_shard``/``tp``/``pp``), so the workers build
     the mesh the launching process validated.
     """
     import torch
@@ -102,6 +102,7 @@ def preflight_run(cfg: RunConfig) -> int:
     if ":" not in cfg.launch.nnodes:  # a fixed world: the workers build exactly the mesh validated here
         topo = strategy.topology_for(world, cfg.strategy)
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
+        cfg.strategy.tp, cfg.strategy.pp = topo.tp, topo.pp
     return world
 
 

@@ -41,18 +41,27 @@ if TYPE_CHECKING:
 __all__ = ["check_pipeline", "check_tensor_parallel", "pipeline_split", "split_layers", "tp_plan"]
 
 
-def check_tensor_parallel(model: Llama, tp: int) -> None:
+def check_tensor_parallel(model: Llama, tp: int, ranks: int | None = None) -> None:
     """Raise :class:`ConfigError` unless the heads (query and key/value) and the feed-forward width divide
-    by the TP degree, and the embeddings are not tied."""
+    by the TP degree, and the embeddings are not tied. ``ranks``: the ranks left for ``tp`` (world / pp); the
+    degrees the message suggests are the ones above 1 that divide them too (a tp preset refuses ``--tp 1``)."""
     cfg = model.config
     if cfg.n_heads % tp or cfg.n_kv_heads % tp:
-        divisors = [
-            d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_heads % d == 0 and cfg.n_kv_heads % d == 0
-        ]
+        heads = [d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_heads % d == 0 and cfg.n_kv_heads % d == 0]
+        usable = [d for d in heads if d > 1 and (ranks is None or ranks % d == 0)]
+        if usable:
+            fix = f"Use --tp one of {', '.join(map(str, usable))}"
+        elif len(heads) == 1:
+            fix = "These heads cannot be split: use a data-parallel strategy (ddp, zero3)"
+        else:
+            fix = (
+                f"No degree above 1 divides both the heads (divisors {', '.join(map(str, heads))}) and the "
+                f"{ranks} ranks: run on a multiple of {heads[1]} ranks"
+            )
         raise ConfigError(
             f"tensor parallel degree {tp} does not divide the heads of the model (model.n_heads={cfg.n_heads}, "
-            f"model.n_kv_heads={cfg.n_kv_heads}): each rank computes whole heads. Use --tp one of "
-            f"{', '.join(map(str, divisors))}, or change the heads with --set model.n_heads=/model.n_kv_heads=."
+            f"model.n_kv_heads={cfg.n_kv_heads}): each rank computes whole heads. {fix}, or change the heads "
+            "with --set model.n_heads=/model.n_kv_heads=."
         )
     if cfg.ffn_hidden % tp:
         raise ConfigError(

@@ -88,7 +88,7 @@ class Strategy:
     def topology_for(cls, world_size: int, config: StrategyConfig) -> Topology:
         """The run's topology: ``--tp``/``--pp`` first, the data-parallel rest split by the preset, explicit
         ``--dp-replicate``/``--dp-shard`` overriding it. Raises :class:`ConfigError` printing every factor."""
-        tp, pp = config.tp, config.pp
+        tp, pp = config.tp or 1, config.pp or 1  # unset (None): no tensor or pipeline parallelism
         if world_size % (tp * pp):
             raise ConfigError(
                 f"topology: tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}. "
@@ -106,9 +106,11 @@ class Strategy:
             else:
                 shard = dp // rep if dp % rep == 0 else -1
             if rep is None or shard is None or rep < 1 or shard < 1:
+                given = config.dp_replicate if config.dp_replicate is not None else config.dp_shard
+                flag = "--dp-replicate" if config.dp_replicate is not None else "--dp-shard"
                 raise ConfigError(
-                    f"topology: --dp-replicate {config.dp_replicate} / --dp-shard {config.dp_shard} do not "
-                    f"divide the {dp} data-parallel ranks (world {world_size} / tp {tp} / pp {pp})."
+                    f"topology: {flag} {given} does not divide the {dp} data-parallel ranks (world "
+                    f"{world_size} / tp {tp} / pp {pp}). Give a {flag} that divides {dp}, or other --tp/--pp."
                 )
         return Topology(world_size=world_size, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
 

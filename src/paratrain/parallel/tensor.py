@@ -86,7 +86,7 @@ def model_tp_plan(
     )
 
 
-def check_model_tp(model: nn.Module, tp: int) -> None:
+def check_model_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
     """Launch-time check (meta model): the built-in plan exists and the heads divide by ``tp``."""
     from paratrain.models.llama import Llama
 
@@ -97,7 +97,7 @@ def check_model_tp(model: nn.Module, tp: int) -> None:
         )
     from paratrain.models.llama_parallel import check_tensor_parallel
 
-    check_tensor_parallel(model, tp)
+    check_tensor_parallel(model, tp, ranks)
 
 
 # ---- the shared base of every model-parallel preset --------------------------------------------------------
@@ -134,12 +134,15 @@ class ModelParallel(Strategy):
 
     @classmethod
     def topology_for(cls, world_size: int, config: StrategyConfig) -> Topology:
-        """``--tp``/``--pp`` when given (> 1); otherwise the preset's default, which must give the same answer
-        when the launcher has already written the resolved data-parallel degrees into the config."""
+        """``--tp``/``--pp`` when given (1 included: :meth:`check_topology` then refuses a preset's own axis at
+        degree 1); otherwise (``None``) the preset's default, which must give the same answer when the launcher
+        has already written the resolved data-parallel degrees into the config. An axis the preset does not
+        use defaults to 1."""
         degrees = {
-            "tp": config.tp if config.tp > 1 or not cls.uses_tp else None,
-            "pp": config.pp if config.pp > 1 or not cls.uses_pp else None,
+            "tp": config.tp if config.tp is not None or not cls.uses_tp else None,
+            "pp": config.pp if config.pp is not None or not cls.uses_pp else None,
         }
+        degrees = {a: 1 if v is None and not getattr(cls, f"uses_{a}") else v for a, v in degrees.items()}
         free = [a for a, v in degrees.items() if v is None]
         if free:
             fixed = (degrees["tp"] or 1) * (degrees["pp"] or 1)
@@ -160,20 +163,38 @@ class ModelParallel(Strategy):
         return super().topology_for(world_size, dataclasses.replace(config, tp=tp, pp=pp))
 
     @classmethod
-    def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:
+    def check_own_axes(cls, topology: Topology, config: StrategyConfig) -> None:
+        """Refuse a preset whose own axis (``tp`` and/or ``pp``) has degree 1: given so (``--tp 1``) or left to
+        the preset's default on a world it does not divide. ``paratrain plan`` applies the same rule."""
         lost = [axis for axis, used, degree in (("tp", cls.uses_tp, topology.tp), ("pp", cls.uses_pp, topology.pp))
                 if used and degree == 1 and topology.world_size > 1 and cls.name != "single"]  # fmt: skip
-        if lost:
-            asked = " x ".join(
-                f"{a} {getattr(topology, a)}" for a in ("tp", "pp") if getattr(cls, f"uses_{a}")
-            )
+        if not lost:
+            return
+        explicit = [a for a in lost if getattr(config, a) is not None]
+        if explicit:
+            flags = " ".join(f"--{a} 1" for a in explicit)
+            rest = [a for a in ("tp", "pp") if getattr(cls, f"uses_{a}") and a not in explicit]
+            if rest:  # fsdp+tp+pp without one of its axes
+                without = "fsdp+" + "+".join(rest)
+            else:
+                without = "zero3" if cls.uses_fsdp else "ddp"
             raise ConfigError(
-                f"strategy {cls.name!r} on {topology.world_size} ranks came out as {asked}: its "
-                f"{' and '.join(lost)} axis would have degree 1, so the job would run without it. Give "
-                + " and ".join(f"--{a} N (N > 1, dividing the ranks)" for a in lost)
-                + f", run on a multiple of {2 ** (int(cls.uses_tp) + int(cls.uses_pp))} ranks, or use a strategy "
-                "without that axis."
+                f"strategy {cls.name!r} splits the model over its {' and '.join(explicit)} axis, but {flags} was "
+                f"given, which would run it without that axis. Give a degree above 1 that divides the "
+                f"{topology.world_size} ranks, or use --strategy {without}."
             )
+        asked = " x ".join(f"{a} {getattr(topology, a)}" for a in ("tp", "pp") if getattr(cls, f"uses_{a}"))
+        raise ConfigError(
+            f"strategy {cls.name!r} on {topology.world_size} ranks came out as {asked}: its "
+            f"{' and '.join(lost)} axis would have degree 1, so the job would run without it. Give "
+            + " and ".join(f"--{a} N (N > 1, dividing the ranks)" for a in lost)
+            + f", run on a multiple of {2 ** (int(cls.uses_tp) + int(cls.uses_pp))} ranks, or use a strategy "
+            "without that axis."
+        )
+
+    @classmethod
+    def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:
+        cls.check_own_axes(topology, config)
         if topology.tp > 1 and not cls.uses_tp:
             raise ConfigError(
                 f"strategy {cls.name!r} does not split tensors, but --tp {topology.tp} was given. "
@@ -196,7 +217,7 @@ class ModelParallel(Strategy):
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
         topo = cls.topology_for(world_size, config)
         if cls.uses_tp and topo.tp > 1:
-            check_model_tp(model, topo.tp)
+            check_model_tp(model, topo.tp, world_size // topo.pp)
 
     # ---- groups --------------------------------------------------------------------------------------
     def group(self, axis: str) -> Any:

@@ -146,15 +146,19 @@ def _train_defaults(
     name: str, gpus: int, tp: int | None, pp: int | None, dp_shard: int | None, dp_replicate: int | None
 ) -> tuple[int, int]:
     """The tp and pp ``paratrain train`` picks for this preset on ``gpus`` ranks (the preset's own rule,
-    :meth:`paratrain.parallel.tensor.ModelParallel.topology_for`), given degrees kept."""
+    :meth:`paratrain.parallel.tensor.ModelParallel.topology_for`), given degrees kept (``None``: not given).
+    A preset whose own axis comes out at degree 1 (``--tp 1`` given, or a default that does not divide) is
+    refused with train's message (:meth:`~paratrain.parallel.tensor.ModelParallel.check_own_axes`)."""
     from paratrain.config import StrategyConfig
     from paratrain.parallel import get_strategy
 
-    config = StrategyConfig(name=name, tp=tp or 1, pp=pp or 1, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    config = StrategyConfig(name=name, tp=tp, pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    cls = get_strategy(name)
     try:
-        topo = get_strategy(name).topology_for(gpus, config)
+        topo = cls.topology_for(gpus, config)
     except ConfigError:
         return tp or 1, pp or 1  # the checks below name what does not divide
+    cls.check_own_axes(topo, config)  # type: ignore[attr-defined]  # the model-parallel presets have it
     return topo.tp, topo.pp
 
 
@@ -189,7 +193,7 @@ def resolve(
         raise ConfigError(
             f"--strategy single runs on one GPU, not {gpus}; choose ddp, zero1, zero2 or zero3."
         )
-    if name in ("tp", "fsdp+tp", "fsdp+tp+pp", "pp", "fsdp+pp") and (tp is None or pp is None):
+    if name in ("tp", "fsdp+tp", "fsdp+tp+pp", "pp", "fsdp+pp"):
         tp, pp = _train_defaults(name, gpus, tp, pp, dp_shard, dp_replicate)
         if name in ("tp", "fsdp+tp", "fsdp+tp+pp") and tp <= 1:
             raise ConfigError(
