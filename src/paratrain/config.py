@@ -312,8 +312,9 @@ class TrainConfig:
     max_nonfinite_skips: int = 10
     """``on_nonfinite=skip``: stop anyway after this many skipped steps."""
     compile: bool = option(False)
-    """``torch.compile`` each of the model's blocks (after tensor parallel and activation checkpointing,
-    before the data-parallel wrap). Needs a C++ compiler on CPU."""
+    """``torch.compile`` each of the model's blocks (after activation checkpointing, before the data-parallel
+    wrap). Needs a C++ compiler on CPU. Not with tensor parallelism (``tp``, ``fsdp+tp``, ``fsdp+tp+pp`` with
+    tp > 1): refused before launch, because the compiled blocks' backward fails on the DTensor gradients."""
     profile: str | None = option(None, metavar="START:END")
     """Profile optimizer steps START..END (inclusive, e.g. 5:8) with torch.profiler on every rank: a trace
     per rank in ``RUN_DIR/profile/`` and a per-rank compute/communication table (docs/observability.md)."""

@@ -77,6 +77,10 @@ BAD = {
         "--pp 1 was given, which would run it without that axis. Give a degree above 1 that divides the 4 "
         "ranks, or use --strategy fsdp+tp.",
     ),
+    "compile+tp": (
+        ["--strategy", "fsdp+tp", "--nproc-per-node", "2", "--tp", "2", "--compile"],
+        "--compile does not work with tensor parallelism yet (strategy 'fsdp+tp', tp 2)",
+    ),
     "seq-len/sp": (
         ["--strategy", "tp", "--nproc-per-node", "2", "--seq-len", "33"],
         "--seq-len 33 does not split into --tp 2 equal parts",

@@ -82,6 +82,14 @@ def preflight_run(cfg: RunConfig) -> int:
         raise ConfigError("the per-rank micro-batch would be empty; raise --batch-size or lower --grad-accum")
     micro = cfg.train.batch_size // (dp * cfg.train.grad_accum)
     topo = strategy.topology_for(world, cfg.strategy)
+    if cfg.train.compile and topo.tp > 1:
+        # torch 2.13: the backward of a torch.compile'd block under the DTensor TP plan hands a plain tensor to
+        # DTensor's Redistribute backward ("'Tensor' object has no attribute '_local_tensor'"), after launch.
+        raise ConfigError(
+            f"--compile does not work with tensor parallelism yet (strategy {strategy.name!r}, tp {topo.tp}): "
+            "the compiled blocks' backward fails on DTensor gradients. Drop --compile, or use a strategy "
+            "without tp (ddp, zero3, pp, fsdp+pp)."
+        )
     microbatches = cfg.strategy.microbatches or topo.pp
     if topo.pp > 1 and micro % microbatches:
         raise ConfigError(

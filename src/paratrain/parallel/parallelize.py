@@ -5,7 +5,7 @@
 3. activation checkpointing of each block (Chen et al., "Training Deep Nets with Sublinear Memory Cost",
    2016, https://arxiv.org/abs/1604.06174; https://pytorch.org/docs/stable/checkpoint.html): each block
    keeps only its input in forward and recomputes its activations in backward;
-4. ``torch.compile`` per block, when asked for;
+4. ``torch.compile`` per block, when asked for (not with tensor parallelism: the launcher refuses it);
 5. the data-parallel wrap: FSDP2 or replication (:meth:`Strategy.wrap`), which also rebinds the optimizer.
 
 Wrappers register hooks on the modules and parameters they see at wrap time, so the order matters: each
