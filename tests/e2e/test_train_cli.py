@@ -75,6 +75,9 @@ def _assert_rejected_fast(tmp_path: Path, *args: str, needle: str) -> None:
     assert time.monotonic() - t0 < 30
 
 
+_TEXT = ("--data", "python-stdlib", "--set", "data.max_bytes=20000", "--seq-len", "32", "--batch-size", "4")
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
@@ -90,6 +93,13 @@ def _assert_rejected_fast(tmp_path: Path, *args: str, needle: str) -> None:
         (("--precision", "fp16", "--strategy", "zero2"), "fp16 does not work with strategy 'zero2'"),
         (("--set", "train.stepz=3"), "unknown key train.stepz"),
         (("--model", "cnn", "--data", "synthetic-regression"), "image inputs"),
+        # a model and a dataset that do not fit: refused here, not by a dtype error inside the workers
+        (
+            ("--model", "llama-debug", "--data", "digits"),
+            "'llama-debug' is a language model and needs a text",
+        ),
+        (("--model", "mlp", *_TEXT), "model 'mlp' takes tensor data, but 'python-stdlib' is a text dataset"),
+        (("--model", "cnn", *_TEXT), "model 'cnn' takes tensor data"),  # it used to advise --model mlp
     ],
 )
 def test_bad_input_fails_before_start(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:

@@ -72,6 +72,7 @@ def preflight_run(cfg: RunConfig) -> int:
         if value is not None and Path(value).exists() and not Path(value).is_dir():
             raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
     data = build_dataset(cfg.data)
+    check_model_fits_data(cfg.model.name, cfg.data.name, data.task, data.input_shape)
     dp = strategy.data_parallel_size(world, cfg.strategy)
     if len(data.train) < cfg.train.batch_size:
         raise ConfigError(
@@ -112,6 +113,30 @@ def preflight_run(cfg: RunConfig) -> int:
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
         cfg.strategy.tp, cfg.strategy.pp = topo.tp, topo.pp
     return world
+
+
+def check_model_fits_data(model: str, dataset: str, task: str, input_shape: tuple[int, ...]) -> None:
+    """A language model needs a text dataset (token ids) and the other models need tensor data; images for
+    cnn/resnet. Raises :class:`ConfigError` with one line, instead of a dtype error inside the workers."""
+    from paratrain.models import is_language_model
+
+    if is_language_model(model) and task != "lm":
+        raise ConfigError(
+            f"model {model!r} is a language model and needs a text dataset, but {dataset!r} holds {task} "
+            "tensors. Use --data python-stdlib or --data text:PATH, or a tensor model (--model mlp, cnn, "
+            "resnet18) for this dataset."
+        )
+    if not is_language_model(model) and task == "lm":
+        raise ConfigError(
+            f"model {model!r} takes tensor data, but {dataset!r} is a text dataset (token ids). Use a Llama "
+            "model (--model llama-debug, llama-small) for text, or tensor data for this model (--data digits, "
+            "mnist, cifar10, synthetic-classification)."
+        )
+    if (model == "cnn" or model.startswith("resnet")) and len(input_shape) != 3:
+        raise ConfigError(
+            f"model {model!r} needs image inputs (C, H, W), but {dataset!r} has inputs of shape "
+            f"{tuple(input_shape)}. Use --model mlp for it, or image data (--data digits, mnist, cifar10)."
+        )
 
 
 def preflight_run_dir(run_dir: Path) -> None:

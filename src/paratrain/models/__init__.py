@@ -41,6 +41,14 @@ def get_model_builder(name: str) -> ModelBuilder:
     return _REGISTRY[name]
 
 
+def is_language_model(name: str) -> bool:
+    """Whether model ``name`` is a language model (the Llama presets: token ids in, next-token logits out);
+    the others (mlp, cnn, resnet*) take tensor data."""
+    from paratrain.models.llama import PRESETS
+
+    return name in PRESETS
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
