@@ -100,6 +100,12 @@ _TEXT = ("--data", "python-stdlib", "--set", "data.max_bytes=20000", "--seq-len"
         ),
         (("--model", "mlp", *_TEXT), "model 'mlp' takes tensor data, but 'python-stdlib' is a text dataset"),
         (("--model", "cnn", *_TEXT), "model 'cnn' takes tensor data"),  # it used to advise --model mlp
+        # what a Llama model refused only inside the workers (exit 1 after launch)
+        (
+            ("--model", "llama-debug", *_TEXT, "--set", "model.max_seq_len=16"),
+            "--seq-len 32 exceeds model.max_seq_len=16",
+        ),
+        (("--model", "llama2-7b", *_TEXT), "'llama2-7b' (6.5B parameters) is a shape-only preset"),
     ],
 )
 def test_bad_input_fails_before_start(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:

@@ -103,6 +103,7 @@ def preflight_run(cfg: RunConfig) -> int:
             meta_model = build_model(cfg.model, data.input_shape, data.num_outputs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_language_model(cfg.model.name, meta_model, data.input_shape)
     for warning in preflight_features(cfg, meta_model):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
     strategy.check_model(meta_model, world, cfg.strategy)
@@ -136,6 +137,22 @@ def check_model_fits_data(model: str, dataset: str, task: str, input_shape: tupl
         raise ConfigError(
             f"model {model!r} needs image inputs (C, H, W), but {dataset!r} has inputs of shape "
             f"{tuple(input_shape)}. Use --model mlp for it, or image data (--data digits, mnist, cifar10)."
+        )
+
+
+def check_language_model(name: str, meta_model: Any, input_shape: tuple[int, ...]) -> None:
+    """On the meta model, what a Llama model would otherwise refuse inside every worker: a shape-only preset
+    (``llama2-7b``, ...) and sequences longer than its rotary table (``model.max_seq_len``)."""
+    from paratrain.models.llama import Llama, check_trainable
+
+    if not isinstance(meta_model, Llama):
+        return
+    check_trainable(name, meta_model.config)
+    seq, limit = input_shape[0], meta_model.config.max_seq_len
+    if seq > limit:
+        raise ConfigError(
+            f"--seq-len {seq} exceeds model.max_seq_len={limit} (the rotary table's length). Raise it with "
+            f"--set model.max_seq_len={seq} (or more), or use --seq-len {limit} or less."
         )
 
 

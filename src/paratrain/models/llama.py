@@ -66,6 +66,7 @@ __all__ = [
     "TransformerBlock",
     "apply_rope",
     "build_llama",
+    "check_trainable",
     "count_params",
     "flops_per_token",
     "precompute_rope",
@@ -496,12 +497,18 @@ def build_llama(
     """
     cfg = resolve_config(name_or_config, overrides)
     target = torch.device(device) if device is not None else torch.get_default_device()
-    shape_only = isinstance(name_or_config, str) and name_or_config in SHAPE_ONLY_PRESETS
-    if shape_only and target.type != "meta" and not allow_large:
+    if isinstance(name_or_config, str) and target.type != "meta" and not allow_large:
+        check_trainable(name_or_config, cfg)
+    with torch.device(target):
+        return Llama(cfg)
+
+
+def check_trainable(name: str, cfg: LlamaConfig) -> None:
+    """Refuse a shape-only preset (:data:`SHAPE_ONLY_PRESETS`) for training: the launching process calls this
+    on the meta model's config, so the run is refused before launch rather than in every worker."""
+    if name in SHAPE_ONLY_PRESETS:
         raise ConfigError(
-            f"model {name_or_config!r} ({count_params(cfg) / 1e9:.1f}B parameters) is a shape-only preset "
+            f"model {name!r} ({count_params(cfg) / 1e9:.1f}B parameters) is a shape-only preset "
             "for `paratrain plan` and memory accounting; it is built on the meta device only. "
             "Train llama-debug or llama-small instead, or build it with device='meta'."
         )
-    with torch.device(target):
-        return Llama(cfg)
