@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from pathlib import Path
@@ -224,3 +225,25 @@ def test_help_lists_commands(tmp_path: Path) -> None:
     proc = run_cli("strategies", "--json", cwd=tmp_path)
     names = set(json.loads(proc.stdout))
     assert {"single", "ddp"} <= names
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_metrics_log_the_learning_rate_each_step_used(tmp_path: Path) -> None:
+    lr, warmup, steps = 0.004, 2, 5
+    run_cli(
+        "train", "--model", "mlp", "--strategy", "single", "--nproc-per-node", "1", "--steps", str(steps),
+        "--batch-size", "16", "--lr", str(lr), "--set", "optimizer.schedule=cosine",
+        "--set", f"optimizer.warmup_steps={warmup}", "--set", "train.log_every=1", "--run-dir", "r",
+        cwd=tmp_path,
+    )  # fmt: skip
+    records = [json.loads(ln) for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["lr"] for r in records if "loss" in r]
+
+    # step s (0-based) runs at lr * (s + 1) / warmup during the warm-up, then on the cosine from lr down to 0
+    def used(s: int) -> float:
+        if s < warmup:
+            return lr * (s + 1) / warmup
+        return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+
+    assert logged == pytest.approx([used(s) for s in range(steps)], rel=1e-9)

@@ -206,6 +206,8 @@ class Trainer:
         state_bytes = functools.partial(model_state_bytes, model, optimizer)  # at logging steps, rank 0
         self.observers = RunObservers(cfg, ctx, self.run_dir, self.metrics, state_bytes, seq_len)
         self.grad_norm: torch.Tensor | None = None
+        self.step_lr: float | None = None
+        """The learning rate the last optimizer step used (logged as ``lr``; the scheduler has moved on)."""
         """The global gradient norm of the last step, when ``optimizer.grad_clip`` computes it."""
         self.nonfinite_skips = 0
         """Steps skipped because of a non-finite loss or gradient (``--set train.on_nonfinite=skip``)."""
@@ -242,6 +244,7 @@ class Trainer:
         """One optimizer step; returns this rank's mean loss over its micro-batches (on the device)."""
         st, t = self.state, self.cfg.train
         self.model.train()
+        self.step_lr = float(st.scheduler.get_last_lr()[0])  # this step's rate: the schedule moves after it
         with record_function("paratrain.data"):  # labelled spans of --profile's traces
             batch = self.data.train.batch(st.sampler.next_batch())
             if self.data.train.transform is not None:
@@ -357,7 +360,7 @@ class Trainer:
                     if bar is not None:
                         bar.set_postfix(loss=f"{logged[-1]:.4f}")
                     self.observers.on_step_end(st.step, {
-                        "step": st.step, "loss": logged[-1], "lr": st.scheduler.get_last_lr()[0],
+                        "step": st.step, "loss": logged[-1], "lr": self.step_lr,
                         "train_time_s": time.perf_counter() - t0 - eval_time, "grad_norm": self.grad_norm,
                         "peak_bytes": peak})  # fmt: skip
                 if t.eval_every and st.step % t.eval_every == 0 and st.step < st.total_steps:
