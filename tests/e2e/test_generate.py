@@ -56,3 +56,14 @@ def test_generate_samples_from_a_sharded_checkpoint_deterministically(tmp_path: 
         got = run_cli("generate", "--ckpt", str(wide), "--max-new-tokens", "40", "--temperature", t, "--json",
                       cwd=tmp_path)  # fmt: skip
         assert json.loads(got.stdout.splitlines()[-1])["new_tokens"] == 40
+
+
+@pytest.mark.timeout(180)
+def test_generate_refuses_an_image_model_by_what_the_checkpoint_holds(tmp_path: Path) -> None:
+    run_cli("train", "--model", "cnn", "--steps", "2", "--strategy", "single", "--nproc-per-node", "1",
+            "--run-dir", "cnn", cwd=tmp_path, timeout=120)  # fmt: skip
+    proc = run_cli("generate", "--ckpt", "cnn", "--prompt", "def ", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "holds a 'cnn' model, not a language model" in proc.stderr
+    assert "--model" not in proc.stderr  # generate has no --model option to follow advice about
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -150,6 +150,11 @@ def test_text_path_errors(tmp_path: Path) -> None:
     (tmp_path / "bin" / "b.txt").write_bytes(b"\xff\xfe not utf-8 \xff")
     with pytest.raises(ConfigError, match="holds no text"):
         build_text_splits("text", str(tmp_path / "bin"))
+    (tmp_path / "one.txt").write_text("x")  # text, only too short: not "holds no text"
+    with pytest.raises(
+        ConfigError, match=r"one.txt is too short: it holds 1 character of text, fewer tokens"
+    ):
+        build_text_splits("text", str(tmp_path / "one.txt"))
     with pytest.raises(ConfigError, match="needs a path"):
         build_text_splits("text", None)
     with pytest.raises(ConfigError, match="Did you mean 'text'"):

@@ -222,8 +222,11 @@ def read_corpus(
     if not docs:
         raise no_text
     whole = Document(docs[0].name, DOC_SEPARATOR.join(d.text for d in docs))
-    if len(whole.text) < 2:
-        raise no_text
+    if len(whole.text) < 2:  # text, but too short to cut into a training and a validation part
+        raise ConfigError(
+            f"{where!s} is too short: it holds {len(whole.text)} character of text, fewer tokens than one "
+            "sequence of --seq-len + 1 for each of the training and validation splits. Use more text."
+        )
     first, rest = _split_lines(whole, test_fraction)
     return [first], [rest], "lines"
 

@@ -23,7 +23,7 @@ from paratrain.checkpoint.state import read_train_state
 from paratrain.config import RunConfig
 from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
 from paratrain.errors import ConfigError
-from paratrain.models import build_model
+from paratrain.models import build_model, is_language_model
 
 
 def resolve_step_dir(path: str | Path) -> Path:
@@ -86,6 +86,8 @@ def generate(
             "ckpt inspect` calls valid) or its run directory."
         ) from None
     cfg = RunConfig.from_dict(state["config"], source=f"{step_dir}/train_state.json")
+    if not is_language_model(cfg.model.name):  # before building it: a cnn cannot even take token ids
+        raise ConfigError(f"--ckpt {step_dir} holds a {cfg.model.name!r} model, not a language model.")
     tok = _tokenizer(cfg, step_dir)
     try:
         with torch.device("meta"):
