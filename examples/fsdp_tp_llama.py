@@ -53,7 +53,7 @@ p.add_argument("--steps", type=int, default=30)
 p.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences per step)")
 p.add_argument("--seq-len", type=int, default=64)
 p.add_argument("--lr", type=float, default=3e-3)
-p.add_argument("--max-bytes", type=int, default=400_000, help="bytes of Python source to read (None: all)")
+p.add_argument("--max-bytes", type=int, default=400_000, help="bytes of Python source to read (0: all)")
 args = p.parse_args()
 
 # The head's logits are a view of a DTensor's local shard; FSDP2 warns about in-place ops on such views, and
@@ -73,7 +73,7 @@ dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 # ---- data and model: the same seed everywhere, so every rank builds the same weights before sharding -------
 torch.manual_seed(0)
-data = build_dataset(DataConfig(name="python-stdlib", seq_len=args.seq_len, max_bytes=args.max_bytes))
+data = build_dataset(DataConfig(name="python-stdlib", seq_len=args.seq_len, max_bytes=args.max_bytes or None))
 model = build_llama(
     args.model, {"vocab_size": data.num_outputs, "max_seq_len": args.seq_len}, device=device_type
 )

@@ -81,6 +81,10 @@ BAD = {
         ["--strategy", "fsdp+tp", "--nproc-per-node", "2", "--tp", "2", "--compile"],
         "--compile does not work with tensor parallelism yet (strategy 'fsdp+tp', tp 2)",
     ),
+    "mp-flags-on-ddp": (
+        ["--strategy", "ddp", "--nproc-per-node", "2", "--loss-parallel", "--microbatches", "3"],
+        "--loss-parallel applies to tensor parallelism, which strategy 'ddp' does not have",
+    ),
     "seq-len/sp": (
         ["--strategy", "tp", "--nproc-per-node", "2", "--seq-len", "33"],
         "--seq-len 33 does not split into --tp 2 equal parts",

@@ -59,6 +59,11 @@ def test_preset_parameter_counts_on_meta(name: str) -> None:
     assert count_params(PRESETS[name]) == EXPECTED_PARAMS[name]
 
 
+def test_llama_small_with_a_4096_token_bpe_has_the_count_its_comment_gives() -> None:
+    model = build_llama("llama-small", {"vocab_size": 4096}, device="meta")  # --set data.tokenizer=bpe:4096
+    assert sum(p.numel() for p in model.parameters()) == 29_368_832
+
+
 def test_debug_and_small_sizes() -> None:
     assert PRESETS["llama-debug"].n_layers == 6
     assert count_params(PRESETS["llama-debug"]) < 1_000_000

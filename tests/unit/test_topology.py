@@ -108,3 +108,29 @@ def test_other_sharding_options_are_refused_where_they_do_not_apply() -> None:
     check_strategy(get_strategy("fsdp"), 4, _cfg(name="fsdp", offload=True, mixed_precision="bf16"))
     with pytest.raises(ConfigError, match="mixed_precision"):
         StrategyConfig(mixed_precision="fp8")
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "match"),
+    [
+        ("ddp", {"loss_parallel": True}, "--loss-parallel applies to tensor parallelism, which strategy 'ddp'"),
+        ("zero3", {"sequence_parallel": False}, "--no-sequence-parallel applies to tensor parallelism"),
+        ("ddp", {"pp_schedule": "gpipe", "microbatches": 3},
+         "--pp-schedule gpipe --microbatches 3 applies to a pipeline, which strategy 'ddp' does not have. Use "
+         "a strategy with a pipeline \\(fsdp\\+pp, fsdp\\+tp\\+pp, pp\\), or leave them out."),
+        ("tp", {"microbatches": 2}, "--microbatches 2 applies to a pipeline, which strategy 'tp'"),
+        ("pp", {"loss_parallel": True}, "--loss-parallel applies to tensor parallelism, which strategy 'pp'"),
+        ("single", {"pp_schedule": "interleaved-1f1b"}, "--pp-schedule interleaved-1f1b applies to a pipeline"),
+    ],
+)  # fmt: skip
+def test_model_parallel_flags_are_refused_by_strategies_without_that_axis(
+    name: str, kw: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_strategy(get_strategy(name), 2 if name != "single" else 1, _cfg(name=name, **kw))
+
+
+def test_model_parallel_flags_are_accepted_where_they_apply() -> None:
+    check_strategy(get_strategy("fsdp+tp+pp"), 4, _cfg(name="fsdp+tp+pp", loss_parallel=True, microbatches=2,
+                                                       pp_schedule="gpipe", sequence_parallel=False))  # fmt: skip
+    check_strategy(get_strategy("fsdp+tp"), 2, _cfg(name="fsdp+tp", loss_parallel=True))

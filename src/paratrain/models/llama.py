@@ -139,7 +139,7 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-debug": LlamaConfig(
         dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=256, max_seq_len=256
     ),
-    # 25,436,672 parameters with the byte vocabulary (29,630,976 with --set data.tokenizer=bpe:4096).
+    # 25,436,672 parameters with the byte vocabulary (29,368,832 with --set data.tokenizer=bpe:4096).
     "llama-small": LlamaConfig(
         dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1536, vocab_size=256, max_seq_len=1024
     ),

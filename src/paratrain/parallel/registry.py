@@ -75,7 +75,28 @@ def check_strategy(cls: type[Strategy], world_size: int, config: StrategyConfig)
             f"--shard-size (strategy.shard_size) applies to hsdp only, not {cls.name!r}. "
             "Use --strategy hsdp --shard-size N, or leave --shard-size out."
         )
+    _check_model_parallel_flags(cls, config)
     cls.check(world_size, config)
+
+
+def _check_model_parallel_flags(cls: type[Strategy], config: StrategyConfig) -> None:
+    """Tensor- and pipeline-parallel options given to a strategy without that axis are refused, not ignored.
+    A value equal to the default (``--pp-schedule 1f1b``, ``--sequence-parallel``) cannot be told from an
+    unset one and passes."""
+    for axis, flags in (
+        ("tp", [("--loss-parallel", config.loss_parallel),
+                ("--no-sequence-parallel", not config.sequence_parallel)]),
+        ("pp", [(f"--pp-schedule {config.pp_schedule}", config.pp_schedule != "1f1b"),
+                (f"--microbatches {config.microbatches}", config.microbatches is not None)]),
+    ):  # fmt: skip
+        given = [flag for flag, on in flags if on]
+        if given and not getattr(cls, f"uses_{axis}", False):
+            able = sorted(n for n, c in _REGISTRY.items() if getattr(c, f"uses_{axis}", False))
+            kind = "tensor parallelism" if axis == "tp" else "a pipeline"
+            raise ConfigError(
+                f"{' '.join(given)} applies to {kind}, which strategy {cls.name!r} does not have. Use a "
+                f"strategy with {kind} ({', '.join(able)}), or leave {'them' if len(given) > 1 else 'it'} out."
+            )
 
 
 def _load_builtin() -> None:
