@@ -139,3 +139,16 @@ def test_fsdp_tp_example_runs_under_paratrain_launch(tmp_path: Path) -> None:
 def test_fsdp_tp_example_runs_under_plain_torchrun(tmp_path: Path) -> None:
     out = _example([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"], tmp_path)
     assert "on 4 rank(s) as dp 2 x tp 2" in out
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_tp_and_zero2_runs_print_no_torch_warning_noise(tmp_path: Path) -> None:
+    """fsdp+tp's summary gathers (_StridedShard, Shard) parameters, which DTensor logs as '2 sequential
+    all_gather operations' on every rank; zero2's freed gradients made MemTracker warn on every rank."""
+    fsdp_tp = run_cli("train", *SMALL[:-6], "--steps", "2", "--batch-size", "4", "--strategy", "fsdp+tp",
+                      "--nproc-per-node", "2", "--run-dir", "a", cwd=tmp_path, timeout=200)  # fmt: skip
+    assert "sequential all_gather" not in fsdp_tp.stderr, fsdp_tp.stderr[-2000:]
+    zero2 = run_cli("train", "--model", "cnn", "--strategy", "zero2", "--nproc-per-node", "2", "--steps", "2",
+                    "--run-dir", "b", cwd=tmp_path, timeout=200)  # fmt: skip
+    assert "traceable wrapper-subclass" not in zero2.stderr, zero2.stderr[-2000:]
+    assert "Warning" not in fsdp_tp.stderr + zero2.stderr, (fsdp_tp.stderr + zero2.stderr)[-3000:]

@@ -6,6 +6,8 @@ The step is a pipeline's shape: one module runs forward on three micro-batches b
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -57,3 +59,26 @@ def test_module_tracking_and_storage_tracking_agree_on_a_plain_step() -> None:
         _, peak = measure_peak(step, model, opt, by_module=by_module)
         peaks.append(peak)
     assert peaks[0] is not None and peaks[0] == peaks[1]
+
+
+def test_gradients_freed_in_backward_raise_no_tracker_warning_and_other_warnings_still_show() -> None:
+    """zero2 frees each gradient in its post-accumulate hook (after the reduce-scatter), so MemTracker's own
+    hook then finds ``p.grad is None`` and warns on every rank; that one warning is filtered, no other."""
+    model = nn.Linear(D, D, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+    def step() -> torch.Tensor:
+        loss = model(torch.ones(B, D)).square().mean()
+        loss.backward()
+        warnings.warn("a warning of the step itself", UserWarning, stacklevel=1)
+        return loss.detach()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, peak = measure_peak(step, model, opt)
+    messages = [str(w.message) for w in caught]
+    assert peak is not None
+    assert not [m for m in messages if "traceable wrapper-subclass" in m], messages
+    assert "a warning of the step itself" in messages

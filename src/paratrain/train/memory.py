@@ -15,6 +15,7 @@ separately by their strategies where known, and are named in docs/train.md.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,17 +40,26 @@ def measure_peak(
     for opt in (optimizer, getattr(optimizer, "optim", None)):
         if isinstance(opt, torch.optim.Optimizer):
             externals.append(opt)
-    try:
-        tracker.track_external(*externals)
-        entered = tracker.__enter__()
-    except Exception as e:  # a model the tracker cannot register: train on, report no figure
-        if log is not None:
-            log.warning("peak memory not measured: %s: %s", type(e).__name__, e)
-        return fn(), None
-    try:
-        result = fn()
-    finally:
-        entered.__exit__(None, None, None)
+    with warnings.catch_warnings():
+        # zero1/zero2 free each gradient in a post-accumulate hook once it is reduce-scattered; MemTracker's own
+        # hook, which runs after it, then reads ``p.grad is None`` and warns on every rank of every run. The
+        # freed gradient is not memory, so the figure is right: only that one warning is dropped, here only.
+        warnings.filterwarnings(
+            "ignore",
+            message=r"Expected a tensor or a traceable wrapper-subclass of tensor, but got <class 'NoneType'>",
+            category=UserWarning,
+        )
+        try:
+            tracker.track_external(*externals)
+            entered = tracker.__enter__()
+        except Exception as e:  # a model the tracker cannot register: train on, report no figure
+            if log is not None:
+                log.warning("peak memory not measured: %s: %s", type(e).__name__, e)
+            return fn(), None
+        try:
+            result = fn()
+        finally:
+            entered.__exit__(None, None, None)
     peak = tracker.get_tracker_snapshot("peak")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     per_device = {getattr(d, "type", str(d)): v for d, v in peak.items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
@@ -95,6 +96,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _full_state_dict(model: nn.Module, cpu_offload: bool = False) -> dict[str, Any]:
+    """``get_model_state_dict(full_state_dict=True)``: every DTensor gathered to a full tensor (collective).
+
+    An ``fsdp+tp`` parameter is ``(_StridedShard(0), Shard(0))`` on a mesh whose ``dp_shard`` and ``tp`` axes are
+    not flattened, so DTensor gathers it with two all-gathers and logs a warning saying so on every rank. This
+    runs once per run, for the summary (not a hot path), so that one logger is quietened around it only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        return dict(get_model_state_dict(model, options=options))
+    finally:
+        redistribute_log.setLevel(level)
+
+
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full, unsharded parameters in registration order, on rank 0 (``None`` on other ranks).
 
@@ -102,11 +121,9 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
     ``_paratrain_param_order``): every rank gathers its stages' full tensors (over its tensor and data
     axes), and rank 0 collects one copy of each stage with ``gather_object`` and puts them in the full order.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     full_order: list[str] | None = getattr(model, "_paratrain_param_order", None)
     if full_order is not None and dist.is_initialized() and dist.get_world_size() > 1:
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        sd = _full_state_dict(model)
         # one copy per stage is enough: only the ranks at tensor/data coordinate 0 send theirs
         send = getattr(model, "_paratrain_pp_sender", True)
         local = {k: v.detach().cpu() for k, v in sd.items() if isinstance(v, torch.Tensor)} if send else {}
@@ -118,7 +135,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
         for part in gathered:
             merged.update(part)
         return {name: merged[name] for name in full_order}
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = _full_state_dict(model, cpu_offload=True)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     order = [canonical_name(n) for n, _ in model.named_parameters()]
