@@ -19,11 +19,16 @@ def _degrees(name: str, world: int, **kw: object) -> dict[str, int]:
     cls = get_strategy(name)
     check_strategy(cls, world, cfg)
     topo = cls.topology_for(world, cfg)
-    # the launcher writes the data-parallel degrees back into the config; the workers must get the same
+    # the launcher writes the resolved degrees back into the config; the workers must get the same
     again = cls.topology_for(
         world, dataclasses.replace(cfg, dp_replicate=topo.dp_replicate, dp_shard=topo.dp_shard)
     )
     assert again == topo, (name, world, kw)
+    resolved = dataclasses.replace(
+        cfg, dp_replicate=topo.dp_replicate, dp_shard=topo.dp_shard, tp=topo.tp, pp=topo.pp
+    )
+    check_strategy(cls, world, resolved)
+    assert cls.topology_for(world, resolved) == topo, (name, world, kw)
     return topo.degrees()
 
 
