@@ -45,8 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("parallelism and batch")
     s.add_argument("--strategy", help="ddp, zero1, zero2, zero3, hsdp, tp, pp, fsdp+tp, fsdp+pp, fsdp+tp+pp; "
                    "default: ddp, zero1, zero2, zero3 and the valid tp/pp layouts")  # fmt: skip
-    s.add_argument("--tp", type=int, help="tensor-parallel degree")
-    s.add_argument("--pp", type=int, help="pipeline-parallel degree")
+    s.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree (default: the preset's, as paratrain train picks it; an explicit 1 "
+        "is kept, so a tp preset given --tp 1 is refused, as by train)",
+    )
+    s.add_argument("--pp", type=int, help="pipeline-parallel degree (default and an explicit 1: as --tp)")
     s.add_argument("--dp-shard", type=int, help="ranks each FSDP/ZeRO group shards over")
     s.add_argument("--dp-replicate", type=int, help="data-parallel replicas (HSDP's outer axis)")
     s.add_argument(
