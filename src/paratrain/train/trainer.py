@@ -223,9 +223,9 @@ class Trainer:
         state_bytes = functools.partial(model_state_bytes, model, optimizer)  # at logging steps, rank 0
         self.observers = RunObservers(cfg, ctx, self.run_dir, self.metrics, state_bytes, seq_len)
         self.grad_norm: torch.Tensor | None = None
+        """The global gradient norm of the last step, when ``optimizer.grad_clip`` computes it."""
         self.step_lr: float | None = None
         """The learning rate the last optimizer step used (logged as ``lr``; the scheduler has moved on)."""
-        """The global gradient norm of the last step, when ``optimizer.grad_clip`` computes it."""
         self.nonfinite_skips = 0
         """Steps skipped because of a non-finite loss or gradient (``--set train.on_nonfinite=skip``)."""
 
