@@ -185,6 +185,62 @@ def test_checkpoint_without_checksums_still_loads(tmp_path: Path) -> None:
     assert torch.equal(m2[0].weight, m[0].weight)
 
 
+def test_format_2_manifest_without_checksums_is_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Removing ``checksums`` from a format-2 ``commit.json`` must not turn it into a sizes-only manifest that
+    lets a same-size corruption through: the checkpoint is damaged, and auto-resume falls back."""
+    from paratrain.cli import main
+
+    _save(tmp_path, [1, 2])
+    step = tmp_path / "step_00000002"
+    _flip_middle(step / "__0_0.distcp")
+    manifest = json.loads((step / COMMIT_FILE).read_text())
+    assert manifest["format"] == 2
+    del manifest["checksums"]
+    (step / COMMIT_FILE).write_text(json.dumps(manifest))
+    assert check_checkpoint(step) == ["commit.json declares format 2 but lists no checksums"]
+    found, skipped = _skips(tmp_path)
+    assert found == tmp_path / "step_00000001" and skipped[0][0] == "step_00000002"
+    m, opt = _model()
+    loaded = CheckpointManager(tmp_path, _ctx()).load_latest_valid(m, opt)
+    assert loaded is not None and loaded.path.name == "step_00000001"
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"--resume auto loads {tmp_path / 'step_00000001'}" in out
+    line2 = next(line for line in out.splitlines() if line.split()[:1] == ["2"])
+    assert "INVALID: commit.json declares format 2 but lists no checksums" in line2
+
+
+@pytest.mark.parametrize(("fmt", "expect"), [("3", "newer than this paratrain"), ('"2"', "as its format")])
+def test_manifest_format_is_checked(tmp_path: Path, fmt: str, expect: str) -> None:
+    _save(tmp_path, [1])
+    step = tmp_path / "step_00000001"
+    text = (step / COMMIT_FILE).read_text()
+    (step / COMMIT_FILE).write_text(text.replace('"format": 2', f'"format": {fmt}'))
+    problems = check_checkpoint(step)
+    assert len(problems) == 1 and expect in problems[0]
+
+
+def test_inspect_says_a_legacy_manifest_is_sizes_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paratrain.checkpoint.inspect import inspect_dir
+    from paratrain.cli import main
+
+    _save(tmp_path, [1, 2])
+    step = tmp_path / "step_00000001"
+    manifest = json.loads((step / COMMIT_FILE).read_text())
+    (step / COMMIT_FILE).write_text(json.dumps({"files": manifest["files"], "committed_at": 0}))
+    by_step = {c["step"]: c for c in inspect_dir(tmp_path)["checkpoints"]}
+    assert by_step[1]["valid"] and not by_step[1]["verified"] and not by_step[1]["checksummed"]
+    assert by_step[2]["valid"] and by_step[2]["verified"]
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[2:]}
+    assert lines["1"].endswith("valid (sizes only: written before checksums, unverified)")
+    assert lines["2"].endswith("  valid")
+
+
 # ---- latest and the manifest ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "target", ["../elsewhere/step_00000009", "ABS", "step_00000002/../../elsewhere/step_00000009"]

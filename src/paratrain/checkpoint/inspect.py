@@ -29,6 +29,7 @@ from paratrain.checkpoint.layout import (
     list_checkpoints,
     mismatch_message,
     read_latest,
+    read_manifest,
     step_of,
 )
 from paratrain.checkpoint.state import TRAIN_STATE_FILE, check_train_state
@@ -58,6 +59,8 @@ def describe(path: str | Path, fast: bool = False) -> dict[str, Any]:
     (checksums compared unless ``fast``)."""
     p = Path(path)
     problems = check_checkpoint(p, verify=not fast)
+    manifest = read_manifest(p)
+    checksummed = manifest is not None and manifest.digests is not None
     state = _read_state(p)
     cfg = state.get("config", {})
     model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
@@ -69,7 +72,8 @@ def describe(path: str | Path, fast: bool = False) -> dict[str, Any]:
         "strategy": state.get("strategy"),
         "model": model.get("name"),
         "valid": not problems,
-        "verified": not fast,
+        "verified": not fast and checksummed,
+        "checksummed": checksummed,
         "problems": problems,
     }
 
@@ -114,7 +118,12 @@ def format_inspect(info: dict[str, Any]) -> str:
         lines.append(f"warning: {info['latest_problem']}")
     lines.append(f"{'step':>10} {'size':>10} {'world':>5} {'strategy':>9} {'model':>8}  status")
     for c in info["checkpoints"]:
-        ok = "valid" if c.get("verified", True) else "valid (sizes only: --fast)"
+        if c.get("verified", True):
+            ok = "valid"
+        elif not c.get("checksummed", True):
+            ok = "valid (sizes only: written before checksums, unverified)"
+        else:
+            ok = "valid (sizes only: --fast)"
         status = ok if c["valid"] else "INVALID: " + "; ".join(c["problems"])
         lines.append(
             f"{c['step']!s:>10} {c['bytes'] / 2**20:>8.2f}Mi {c['world_size']!s:>5} "

@@ -342,7 +342,16 @@ def parse_manifest(obj: Any) -> Manifest:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ManifestError(f"records {size!r} as the size of {rel!r}")
         sizes[_check_rel(rel)] = size
+    fmt = obj.get("format", 1)
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+        raise ManifestError(f"records {fmt!r} as its format (an integer >= 1)")
+    if fmt > MANIFEST_FORMAT:
+        raise ManifestError(
+            f"has format {fmt}, newer than this paratrain ({MANIFEST_FORMAT}): upgrade paratrain to load it"
+        )
     if "checksums" not in obj:
+        if fmt >= 2:  # the checksums were removed: sizes alone would pass a same-size corruption
+            raise ManifestError(f"declares format {fmt} but lists no checksums")
         return Manifest(sizes, None, None)
     sums, algorithm = obj.get("checksums"), obj.get("checksum_algorithm")
     if not isinstance(algorithm, str):

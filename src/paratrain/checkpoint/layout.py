@@ -85,6 +85,14 @@ def read_latest(root: str | Path) -> tuple[Path | None, str | None]:
     return r / name, None
 
 
+def read_manifest(p: Path) -> Manifest | None:
+    """The parsed ``commit.json`` of step directory ``p``, or ``None`` when it is missing or malformed."""
+    try:
+        return _read_manifest(p)
+    except ManifestError:
+        return None
+
+
 def _read_manifest(p: Path) -> Manifest:
     try:
         obj = json.loads((p / COMMIT_FILE).read_bytes())
