@@ -241,6 +241,63 @@ def test_inspect_says_a_legacy_manifest_is_sizes_only(
     assert lines["2"].endswith("  valid")
 
 
+# ---- order: commit time, not step number ----------------------------------------------------------------------
+def _run(root: Path, name: str, steps: list[int], keep_last: int | None = None) -> None:
+    """Steps saved by one run (its own job id), ``{"run": name}`` in each training state."""
+    mgr = CheckpointManager(root, _ctx(), keep_last=keep_last, job_id=name)
+    m, opt = _model()
+    for s in steps:
+        mgr.save(s, m, opt, {"run": name}, rng_state())
+
+
+def _run_of(step_dir: Path) -> str:
+    return str(json.loads((step_dir / "train_state.json").read_text())["run"])
+
+
+def test_keep_last_keeps_the_newest_commits_not_the_highest_steps(tmp_path: Path) -> None:
+    """A --resume never run (or a rollback) saving low steps next to an earlier run's higher ones keeps its
+    own checkpoints: "newest" is commit order."""
+    _run(tmp_path, "A", [5, 10, 15, 20])
+    manifest = json.loads((tmp_path / "step_00000015" / COMMIT_FILE).read_text())
+    del manifest["committed_at"]  # one without a timestamp (older manifests): oldest, and no crash
+    (tmp_path / "step_00000015" / COMMIT_FILE).write_text(json.dumps(manifest))
+    _run(tmp_path, "B", [5, 10], keep_last=2)
+    kept = sorted(p.name for p in tmp_path.glob("step_*"))
+    assert kept == ["step_00000005", "step_00000010"]
+    assert [_run_of(tmp_path / k) for k in kept] == ["B", "B"]
+
+
+def test_fallback_never_moves_to_a_checkpoint_committed_after_latest(tmp_path: Path) -> None:
+    _run(tmp_path, "A", [5, 10, 15, 20])
+    _run(tmp_path, "B", [5, 10])  # B's step 5 replaced A's; A's 15 and 20 are older commits than B's 10
+    _flip_middle(tmp_path / "step_00000010" / "__0_0.distcp")
+    found, skipped = _skips(tmp_path)
+    assert found == tmp_path / "step_00000005" and _run_of(found) == "B"
+    assert skipped[0][0] == "step_00000010"
+    m, opt = _model()
+    loaded = CheckpointManager(tmp_path, _ctx()).load_latest_valid(m, opt)
+    assert loaded is not None and loaded.path.name == "step_00000005" and loaded.train_state["run"] == "B"
+
+
+@pytest.mark.parametrize("damage", ["flip", "no commit.json"])
+def test_rollback_latest_damaged_falls_back_not_forward(tmp_path: Path, damage: str) -> None:
+    """``latest`` rolled back by hand to step 10 of a run that reached 20: a damaged step 10 falls back to 5,
+    never forward to 15 or 20 (reported). Without its commit time, ``latest``'s own mtime bounds it."""
+    _run(tmp_path, "A", [5, 10, 15, 20])
+    (tmp_path / "latest").write_text("step_00000010\n")
+    if damage == "flip":
+        _flip_middle(tmp_path / "step_00000010" / "__0_0.distcp")
+    else:
+        at = json.loads((tmp_path / "step_00000010" / COMMIT_FILE).read_text())["committed_at"]
+        (tmp_path / "step_00000010" / COMMIT_FILE).unlink()
+        os.utime(tmp_path / "latest", (at + 0.0001, at + 0.0001))  # written right after step 10's commit
+    found, skipped = _skips(tmp_path)
+    assert found == tmp_path / "step_00000005"
+    reasons = dict(skipped)
+    assert [n for n, _ in skipped] == ["step_00000010", "step_00000020", "step_00000015"]
+    assert "committed after step_00000010, which latest names" in reasons["step_00000020"]
+
+
 # ---- latest and the manifest ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "target", ["../elsewhere/step_00000009", "ABS", "step_00000002/../../elsewhere/step_00000009"]

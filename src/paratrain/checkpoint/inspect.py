@@ -236,7 +236,8 @@ def preflight_resume(
             print(
                 f"paratrain: warning: --resume never: {root} already holds {len(earlier)} checkpoint(s) of an "
                 f"earlier run ({earlier[0].name}..{earlier[-1].name}). This run starts fresh and saves next to "
-                "them, replacing any of the same step, and --keep-last counts them with its own. Give a new "
+                "them, replacing any of the same step, and --keep-last counts them with its own (oldest commits "
+                "first, so they are the first it deletes). Give a new "
                 "--run-dir (or --ckpt-dir) to keep the runs apart.",
                 file=sys.stderr,
             )

@@ -17,9 +17,11 @@ retention skip it; loading and ``--resume auto`` never do).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,22 +170,82 @@ def is_valid_checkpoint(path: str | Path, verify: bool = True) -> bool:
     return not check_checkpoint(path, verify)
 
 
+def committed_at(path: str | Path) -> float | None:
+    """When the checkpoint at ``path`` was committed (``commit.json``'s ``committed_at``, seconds since the
+    epoch); ``None`` when there is no readable, finite value (a damaged or pre-timestamp manifest)."""
+    try:
+        at = json.loads((Path(path) / COMMIT_FILE).read_bytes()).get("committed_at")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        return None
+    return float(at)
+
+
+def _commit_time(p: Path) -> float | None:
+    """``committed_at``; else the time ``commit.json`` was written (a manifest from before timestamps), else
+    the directory's (a partial or damaged one); ``None`` when none can be read."""
+    at = committed_at(p)
+    for f in (p / COMMIT_FILE, p):
+        if at is None:
+            with contextlib.suppress(OSError):
+                at = f.stat().st_mtime
+    return at
+
+
+def by_commit_order(paths: Iterable[Path]) -> list[Path]:
+    """``paths`` oldest first by commit time (:func:`_commit_time`); the step number breaks ties, and one
+    whose time cannot be read at all counts as the oldest. Step numbers alone are no order: a
+    ``--resume never`` run or a rollback writes low steps next to an earlier run's higher ones."""
+
+    def key(p: Path) -> tuple[bool, float, int]:
+        at = _commit_time(p)
+        return (at is not None, at or 0.0, step_of(p) or 0)
+
+    return sorted(paths, key=key)
+
+
 def candidates(root: str | Path, on_skip: SkipFn | None = None) -> Iterator[Path]:
-    """Step directories to try for ``--resume auto``, best first: the one ``latest`` names, then newest
-    first. A ``latest`` that cannot be followed is reported through ``on_skip(DIR/latest, [why])``."""
+    """Step directories to try for ``--resume auto``, best first: the one ``latest`` names, then the others
+    newest first *by commit time*, none committed after the one ``latest`` names (a fallback never moves
+    forward, e.g. onto an earlier run's higher steps). Its commit time is its ``committed_at``, or, when
+    that is unreadable, the time ``latest`` was written (it is replaced right after each commit). A
+    ``latest`` that cannot be followed is reported through ``on_skip(DIR/latest, [why])``, a checkpoint
+    committed after it through ``on_skip(path, [why])``."""
     r = Path(root)
     named, why = read_latest(r)
     if why is not None and on_skip is not None:
         on_skip(r / LATEST_FILE, [why])
-    if named is not None and named.is_dir() and not named.is_symlink():
-        yield named
-    for p in reversed(list_checkpoints(r)):
-        if p != named:
-            yield p
+    bound = None
+    if named is not None:
+        if named.is_dir() and not named.is_symlink():
+            yield named
+        bound = committed_at(named)
+        if bound is None:
+            with contextlib.suppress(OSError):
+                bound = (r / LATEST_FILE).stat().st_mtime
+    for p in reversed(by_commit_order(list_checkpoints(r))):
+        if p == named:
+            continue
+        at = committed_at(p)
+        if bound is not None and at is not None and at > bound:
+            if on_skip is not None:
+                assert named is not None
+                on_skip(
+                    p,
+                    [
+                        f"committed after {named.name}, which {LATEST_FILE} names (another run's checkpoint, "
+                        f"or a newer save {LATEST_FILE} never recorded); not a fallback for it. Resume it with "
+                        "--resume PATH if it is the one you want"
+                    ],
+                )
+            continue
+        yield p
 
 
 def find_latest_valid(root: str | Path, on_skip: SkipFn | None = None, verify: bool = True) -> Path | None:
-    """The checkpoint ``--resume auto`` loads: ``latest`` when valid, else the newest valid step directory.
+    """The checkpoint ``--resume auto`` loads: ``latest`` when valid, else the newest valid step directory
+    committed before it (:func:`candidates`).
 
     ``on_skip(path, problems)`` is called for every invalid checkpoint passed over (corrupt, partial) and for
     a ``latest`` that is ignored. In one process this hashes whole checkpoints until one is valid; in a

@@ -66,8 +66,10 @@ from paratrain.checkpoint.integrity import (
 from paratrain.checkpoint.layout import (
     LATEST_FILE,
     SkipFn,
+    by_commit_order,
     candidates,
     check_checkpoint,
+    committed_at,
     compare_state,
     find_latest_valid,
     is_valid_checkpoint,
@@ -363,12 +365,16 @@ class CheckpointManager:
         self._retain(final)
 
     def _retain(self, newest: Path) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints. Never touches ``newest``, the one ``latest``
+        """Keep the newest ``keep_last`` valid checkpoints (by commit time). Never touches ``newest``, the one ``latest``
         names, or a temporary directory (a save in flight is never a ``step_*`` name). Validity here is the
         cheap check (sizes, manifest, state), not the checksums: retention must not read every checkpoint."""
         if self.keep_last is None:
             return
-        valid = [p for p in list_checkpoints(self.root) if is_valid_checkpoint(p, verify=False)]
+        # newest by commit time, not by step: a --resume never run or a rollback saves low steps next to an
+        # earlier run's higher ones, and must keep its own checkpoints, not the other run's
+        valid = by_commit_order(
+            p for p in list_checkpoints(self.root) if is_valid_checkpoint(p, verify=False)
+        )
         for p in valid[: max(0, len(valid) - self.keep_last)]:
             if p != newest:
                 shutil.rmtree(p, ignore_errors=True)
@@ -512,11 +518,8 @@ class CheckpointManager:
 
 def committed_since(path: Path, since: float) -> bool:
     """Whether the checkpoint at ``path`` was committed at or after ``since`` (``False`` when unknown)."""
-    try:
-        at = json.loads((path / COMMIT_FILE).read_bytes()).get("committed_at")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(at, (int, float)) and at >= since
+    at = committed_at(path)
+    return at is not None and at >= since
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
@@ -559,7 +562,6 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def _json_bytes(obj: Any) -> bytes:
-    import json
 
     return json.dumps(obj, indent=1, sort_keys=True).encode()
 
