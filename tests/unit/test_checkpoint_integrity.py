@@ -371,13 +371,18 @@ def _tampered_optimizer(tmp_path: Path, value: Any) -> Path:
 def test_tampered_optimizer_entry_is_one_clear_error(tmp_path: Path, kind: str) -> None:
     _Evil.marker = str(tmp_path / "pwned")
     step = _tampered_optimizer(tmp_path / "ck", _Evil() if kind == "pickle" else "0.01")
-    assert check_checkpoint(step) == []  # the files are what was written: only loading can tell
+    assert check_checkpoint(step, verify=False) == []  # sizes and manifest are right
+    # the full check reads the entry as loading does, so ckpt inspect and --resume auto agree with loading
+    (problem,) = check_checkpoint(step)
+    assert problem.startswith("__0_0.distcp: entry optim.param_groups.0.weight.lr")
+    assert ("pickled objects" in problem) if kind == "pickle" else ("holds a str" in problem)
     m, opt = _model()
     with pytest.raises(DamagedCheckpointError) as err:
         CheckpointManager(tmp_path / "ck", _ctx()).load(step, m, opt)
     msg = str(err.value)
+    # refused by the check before any tensor is read (the model is untouched), naming file and entry
     assert msg.startswith(
-        f"checkpoint {step} is damaged (file __0_0.distcp): entry optim.param_groups.0.weight.lr"
+        f"checkpoint {step} is not usable: __0_0.distcp: entry optim.param_groups.0.weight.lr"
     )
     assert "weights_only" not in msg and "Traceback" not in msg and "\n" not in msg
     assert ("pickled objects" in msg) if kind == "pickle" else ("holds a str" in msg)
@@ -404,9 +409,8 @@ def test_auto_resume_falls_back_over_a_tampered_optimizer_entry(tmp_path: Path) 
         m, opt, on_skip=lambda p, probs: skipped.append(f"{p.name}: {probs[0]}")
     )
     assert loaded is not None and loaded.path.name == "step_00000001"
-    assert skipped == [
-        f"step_00000002: checkpoint {tmp_path / 'step_00000002'} is damaged (file __0_0.distcp): entry "
-        "optim.param_groups.0.weight.lr holds a str ('0.01') where this run has a number"
+    assert skipped == [  # found by the check, before any tensor of it was read
+        "step_00000002: __0_0.distcp: entry optim.param_groups.0.weight.lr holds a str ('0.01'), not a number"
     ]
     assert torch.equal(m[0].weight, good[0].weight) and opt.param_groups[0]["lr"] == 0.01
 
@@ -427,6 +431,95 @@ def test_malicious_rng_file_is_one_clear_error(tmp_path: Path) -> None:
     _rehash(step)
     with pytest.raises(DamagedCheckpointError, match="'torch_cpu' is not a torch generator state"):
         CheckpointManager(tmp_path, _ctx()).load(step, m, opt)
+
+
+def _save_with_scheduler(root: Path, steps: list[int]) -> None:
+    """Steps whose training state carries what the trainer saves: a real LambdaLR's state and the config."""
+    from paratrain.checkpoint.state import jsonable
+    from paratrain.config import RunConfig
+
+    mgr = CheckpointManager(root, _ctx())
+    m, opt = _model()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    for s in steps:
+        opt.step()
+        sched.step()
+        state = {"scheduler": jsonable(sched.state_dict()), "config": RunConfig().to_dict(), "scaler": None}
+        mgr.save(s, m, opt, state, rng_state())
+
+
+def _edit_state(step: Path, edit: Any) -> None:
+    """What /tmp-style probes do: edit train_state.json, then rewrite the manifest to match."""
+    ts = step / "train_state.json"
+    state = json.loads(ts.read_text())
+    edit(state)
+    ts.write_text(json.dumps(state))
+    _rehash(step)
+
+
+_BAD_STATES = [
+    (lambda s: s["scheduler"].update(base_lrs="abc"), "scheduler 'base_lrs' must be a list of numbers"),
+    (lambda s: s["scheduler"].update(_last_lr=[None]), "scheduler '_last_lr' must be a list of numbers"),
+    (lambda s: s["scheduler"].update(last_epoch="3"), "scheduler 'last_epoch' must be an integer"),
+    (
+        lambda s: s["scheduler"].update(lr_lambdas=[{"x": 1}]),
+        "scheduler 'lr_lambdas' must be a list of nulls",
+    ),
+    (lambda s: s["scheduler"].update(optimizer=5), "scheduler holds an 'optimizer' entry"),
+    (lambda s: s["config"].update(train=5), "config section 'train' must be an object"),
+    (lambda s: s.update(scaler={"scale": "big"}), "scaler 'scale' must be a number > 0"),
+]
+
+
+@pytest.mark.parametrize(("edit", "expect"), _BAD_STATES)
+def test_checksum_consistent_bad_training_state_is_damaged_and_auto_resume_falls_back(
+    tmp_path: Path, edit: Any, expect: str
+) -> None:
+    """A value of the wrong type whose checksum was recomputed: damaged (one line), never a TypeError in the
+    middle of training; --resume auto loads the previous checkpoint."""
+    _save_with_scheduler(tmp_path, [1, 2])
+    step = tmp_path / "step_00000002"
+    assert check_checkpoint(step) == []
+    _edit_state(step, edit)
+    (problem,) = check_checkpoint(step)
+    assert problem.startswith("train_state.json: ") and expect in problem
+    m, opt = _model()
+    skipped: list[str] = []
+    loaded = CheckpointManager(tmp_path, _ctx()).load_latest_valid(
+        m, opt, on_skip=lambda p, probs: skipped.append(p.name)
+    )
+    assert loaded is not None and loaded.path.name == "step_00000001" and skipped == ["step_00000002"]
+
+
+def test_the_scheduler_check_guards_a_real_crash(tmp_path: Path) -> None:
+    """The scheduler values refused above do crash torch's scheduler once loaded (what training saw)."""
+    _, opt = _model()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    state = sched.state_dict()
+    sched.load_state_dict({**state, "base_lrs": "abc"})
+    with pytest.raises(TypeError):
+        sched.step()
+
+
+def test_inspect_agrees_with_loading_on_a_malicious_rng_file(tmp_path: Path) -> None:
+    """``ckpt inspect`` must not call a checkpoint valid (and --resume auto's choice) that loading refuses."""
+    from paratrain.checkpoint.inspect import inspect_dir
+
+    _Evil.marker = str(tmp_path / "pwned")
+    _save(tmp_path, [1, 2])
+    step = tmp_path / "step_00000002"
+    torch.save({"torch_cpu": _Evil()}, step / "rng" / "rank_00000.pt")
+    _rehash(step)
+    info = inspect_dir(tmp_path)
+    by_step = {c["step"]: c for c in info["checkpoints"]}
+    assert (
+        not by_step[2]["valid"] and "rng/rank_00000.pt: it holds pickled objects" in by_step[2]["problems"][0]
+    )
+    assert info["resume_auto"] == str(tmp_path / "step_00000001")
+    m, opt = _model()
+    assert CheckpointManager(tmp_path, _ctx()).load_latest_valid(m, opt).path.name == "step_00000001"  # type: ignore[union-attr]
+    assert inspect_dir(tmp_path, fast=True)["resume_auto"] == str(step)  # --fast reads no data: says so
+    assert not (tmp_path / "pwned").exists()
 
 
 # ---- a full disk ----------------------------------------------------------------------------------------------------

@@ -9,10 +9,14 @@ definition of "valid":
 2. every file it lists is a regular file inside the directory, with the recorded size;
 3. (``verify=True``) every file's checksum matches the one recorded when it was written;
 4. ``.metadata`` unpickles with the restricted unpickler and points only inside the listed files;
-5. ``train_state.json`` is a JSON object of the right types whose step is the directory's step.
+5. ``train_state.json`` is a JSON object of the right types whose step is the directory's step (scheduler,
+   GradScaler and config fields included);
+6. (``verify=True``) every ``rng/rank_R.pt`` holds RNG tensors only, and every non-tensor entry (optimizer
+   ``param_groups``) reads with ``weights_only=True``, its numeric hyper-parameters being numbers: what
+   loading will read, so ``ckpt inspect`` and ``--resume auto`` agree with the workers.
 
-Checks 1-2 and 4-5 read a few small files; check 3 reads every byte once (``ckpt inspect --fast`` and
-retention skip it; loading and ``--resume auto`` never do).
+Checks 1-2 and 4-5 read a few small files; checks 3 and 6 read every byte once (``ckpt inspect --fast`` and
+retention skip them; loading and ``--resume auto`` never do).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from paratrain.checkpoint.integrity import (
     share,
     verify_digests,
 )
-from paratrain.checkpoint.state import TRAIN_STATE_FILE, read_train_state
+from paratrain.checkpoint.state import TRAIN_STATE_FILE, read_rank_file, read_train_state
 
 _STEP_RE = re.compile(r"step_([0-9]{8,})")
 LATEST_FILE = "latest"
@@ -142,8 +146,8 @@ def check_checkpoint(
         problems.append(f"{COMMIT_FILE} does not list {TRAIN_STATE_FILE}")
     if problems:
         return problems
+    only = None if share_of is None else share(manifest.files, *share_of)
     if verify:
-        only = None if share_of is None else share(manifest.files, *share_of)
         problems = verify_digests(p, manifest, only)
         if problems:
             return problems
@@ -151,6 +155,14 @@ def check_checkpoint(
         md = safe.read_metadata(p)
     except Exception as e:
         return [f".metadata is unreadable: {safe.describe_read_error(e)}"]
+    if verify:  # what loading reads with weights_only=True: the RNG files and the optimizer's plain values
+        mine = set(manifest.files if only is None else only)
+        for rel in sorted(r for r in mine if r.startswith("rng/")):
+            try:
+                read_rank_file(p, rel)
+            except safe.DamagedFileError as e:
+                problems.append(str(e))
+        problems.extend(safe.check_byte_entries(p, md, mine))
     try:
         for idx, info in (md.storage_data or {}).items():
             rel = str(info.relative_path)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -197,3 +197,35 @@ def _type_problem(loaded: Any, current: Any) -> str | None:
             if problem:
                 return problem
     return None
+
+
+_NUMBER_ENTRIES = ("lr", "initial_lr", "weight_decay", "eps", "momentum", "dampening")
+"""Optimizer hyper-parameters (the last part of a ``param_groups`` entry's name) that must be numbers."""
+
+
+def check_byte_entries(step_dir: str | Path, md: Metadata, files: set[str] | None = None) -> list[str]:
+    """Problems of the non-tensor entries (optimizer ``param_groups``) of a checkpoint, without a model: each
+    is read with ``torch.load(weights_only=True)`` (what :class:`SafeLoadPlanner` does when loading) and a
+    learning rate, weight decay, ... must be a number. ``files``: only entries stored in these files (a
+    rank's share). The type check against the live optimizer remains the loader's."""
+    out: list[str] = []
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, BytesStorageMetadata):
+            continue
+        info = (md.storage_data or {}).get(MetadataIndex(fqn))
+        rel = str(getattr(info, "relative_path", "?"))
+        if info is None or (files is not None and rel not in files):
+            continue
+        try:
+            with open(Path(step_dir) / rel, "rb") as f:
+                f.seek(int(info.offset))
+                raw = f.read(int(info.length))
+            obj = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as e:
+            out.append(str(DamagedFileError(rel, f"entry {fqn}: {describe_read_error(e)}")))
+            continue
+        if fqn.rsplit(".", 1)[-1] in _NUMBER_ENTRIES and _kind(obj) not in ("number", "Tensor"):
+            out.append(
+                str(DamagedFileError(rel, f"entry {fqn} holds a {_kind(obj)} ({obj!r:.40}), not a number"))
+            )
+    return out

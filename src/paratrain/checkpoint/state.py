@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,13 @@ def load_rank_state(step_dir: str | Path, rank: int) -> dict[str, torch.Tensor] 
     path = rank_file(step_dir, rank)
     if not path.is_file():
         return None
-    rel = path.relative_to(step_dir).as_posix()
+    return read_rank_file(step_dir, path.relative_to(step_dir).as_posix())
+
+
+def read_rank_file(step_dir: str | Path, rel: str) -> dict[str, torch.Tensor]:
+    """Read and check one ``rng/rank_R.pt`` (``rel``: its path inside ``step_dir``); see :func:`load_rank_state`."""
     try:
-        obj = torch.load(path, weights_only=True, map_location="cpu")
+        obj = torch.load(Path(step_dir) / rel, weights_only=True, map_location="cpu")
     except Exception as e:
         raise DamagedFileError(rel, describe_read_error(e)) from None
     if not isinstance(obj, dict) or not all(
@@ -195,8 +200,18 @@ def check_train_state(state: Any, step: int | None = None) -> list[str]:
     for key in ("scheduler", "config"):
         if key in state and not isinstance(state[key], dict):
             bad(key, "an object")
+    if isinstance(state.get("scheduler"), dict):
+        out.extend(_check_scheduler(state["scheduler"]))
+    if isinstance(state.get("config"), dict):
+        out.extend(
+            f"config section {name!r} must be an object, got {section!r:.60}"
+            for name, section in state["config"].items()
+            if not isinstance(section, dict)
+        )
     if "scaler" in state and state["scaler"] is not None and not isinstance(state["scaler"], dict):
         bad("scaler", "an object or null")
+    elif isinstance(state.get("scaler"), dict):
+        out.extend(_check_scaler(state["scaler"]))
     if "losses" in state and not (
         isinstance(state["losses"], list)
         and all(isinstance(v, int | float) and not isinstance(v, bool) for v in state["losses"])
@@ -207,6 +222,52 @@ def check_train_state(state: Any, step: int | None = None) -> list[str]:
     for key in ("dp_size", "num_params"):
         if key in state and not _is_int(state[key], 1 if key == "dp_size" else 0):
             bad(key, "a positive integer")
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_scheduler(sched: dict[str, Any]) -> list[str]:
+    """What ``LambdaLR.load_state_dict`` (a plain ``__dict__.update``) would choke on later, in the middle of
+    training: each field the scheduler saves must have its type (checked when present)."""
+    out = []
+    for key in ("base_lrs", "_last_lr"):
+        if key in sched and not (
+            isinstance(sched[key], list) and sched[key] and all(_is_number(v) and v >= 0 for v in sched[key])
+        ):
+            out.append(f"scheduler {key!r} must be a list of numbers >= 0, got {sched[key]!r:.60}")
+    if "last_epoch" in sched and not _is_int(sched["last_epoch"], -1):
+        out.append(f"scheduler 'last_epoch' must be an integer >= -1, got {sched['last_epoch']!r:.60}")
+    if "_step_count" in sched and not _is_int(sched["_step_count"]):
+        out.append(f"scheduler '_step_count' must be an integer >= 0, got {sched['_step_count']!r:.60}")
+    for key in ("_is_initial", "_get_lr_called_within_step", "verbose"):
+        if key in sched and not isinstance(sched[key], bool):
+            out.append(f"scheduler {key!r} must be true or false, got {sched[key]!r:.60}")
+    if "lr_lambdas" in sched and not (
+        isinstance(sched["lr_lambdas"], list) and all(v is None for v in sched["lr_lambdas"])
+    ):
+        out.append(f"scheduler 'lr_lambdas' must be a list of nulls, got {sched['lr_lambdas']!r:.60}")
+    if "optimizer" in sched:
+        out.append("scheduler holds an 'optimizer' entry (it would replace the live optimizer)")
+    lengths = {
+        len(sched[k]) for k in ("base_lrs", "_last_lr", "lr_lambdas") if isinstance(sched.get(k), list)
+    }
+    if not out and len(lengths) > 1:
+        out.append("scheduler 'base_lrs', '_last_lr' and 'lr_lambdas' have different lengths")
+    return out
+
+
+def _check_scaler(scaler: dict[str, Any]) -> list[str]:
+    """The GradScaler's saved fields (checked when present)."""
+    out = []
+    for key in ("scale", "growth_factor", "backoff_factor"):
+        if key in scaler and not (_is_number(scaler[key]) and scaler[key] > 0):
+            out.append(f"scaler {key!r} must be a number > 0, got {scaler[key]!r:.60}")
+    for key, minimum in (("growth_interval", 1), ("_growth_tracker", 0)):
+        if key in scaler and not _is_int(scaler[key], minimum):
+            out.append(f"scaler {key!r} must be an integer >= {minimum}, got {scaler[key]!r:.60}")
     return out
 
 
