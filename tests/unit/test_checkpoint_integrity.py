@@ -326,6 +326,30 @@ def test_latest_with_non_utf8_bytes_is_ignored(tmp_path: Path) -> None:
     assert info["resume_auto"].endswith("step_00000002")
 
 
+@pytest.mark.parametrize("target", ["missing", "symlink"])
+def test_latest_naming_a_missing_or_symlinked_step_is_reported(tmp_path: Path, target: str) -> None:
+    """``latest`` naming step 99 that does not exist, or a step directory that is a symbolic link (to another
+    run's checkpoint): not followed, and the warning (training) and ckpt inspect say why."""
+    from paratrain.checkpoint.inspect import format_inspect, inspect_dir
+
+    root = tmp_path / "ck"
+    _save(root, [1, 2])
+    if target == "symlink":
+        _save(tmp_path / "other", [7])
+        (root / "step_00000025").symlink_to(tmp_path / "other" / "step_00000007")
+        (root / "latest").write_text("step_00000025\n")
+        expect = ("step_00000025", "is a symbolic link (latest names it)")
+    else:
+        (root / "latest").write_text("step_00000099\n")
+        expect = ("latest", "names step_00000099, which does not exist")
+    found, skipped = _skips(root)
+    assert found == root / "step_00000002"
+    assert skipped[0][0] == expect[0] and expect[1] in skipped[0][1]
+    info = inspect_dir(root)
+    assert info["resume_auto"] == str(root / "step_00000002")
+    assert f"warning: {expect[0]} {expect[1]}" in format_inspect(info)
+
+
 @pytest.mark.parametrize(
     ("content", "expect"),
     [

@@ -100,13 +100,20 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
         }
     named, why = read_latest(r)
     described = {p: describe(p, fast) for p in list_checkpoints(r)}
-    # what --resume auto would pick, from the checks just made (each checkpoint is read once)
-    auto = next((p for p in candidates(r) if p in described and described[p]["valid"]), None)
+    # what --resume auto would pick, from the checks just made (each checkpoint is read once), and what it
+    # passes over besides invalid checkpoints (a latest it cannot follow, checkpoints committed after it)
+    notes: list[str] = []
+
+    def passed_over(p: Path, why_not: list[str]) -> None:
+        notes.append(f"{p.name} {'; '.join(why_not)}")
+
+    auto = next((p for p in candidates(r, passed_over) if p in described and described[p]["valid"]), None)
     return {
         "root": str(r),
         "checkpoints": list(described.values()),
         "latest": named.name if named is not None else None,
         "latest_problem": f"{LATEST_FILE} {why}" if why else None,
+        "notes": notes,
         "resume_auto": str(auto) if auto else None,
         "in_progress": sorted(p.name for p in r.glob(".step_*.tmp*")),
     }
@@ -114,8 +121,8 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
 
 def format_inspect(info: dict[str, Any]) -> str:
     lines = [f"{info['root']}: latest -> {info['latest']}, --resume auto loads {info['resume_auto']}"]
-    if info.get("latest_problem"):
-        lines.append(f"warning: {info['latest_problem']}")
+    for note in info.get("notes") or ([info["latest_problem"]] if info.get("latest_problem") else []):
+        lines.append(f"warning: {note}")
     lines.append(f"{'step':>10} {'size':>10} {'world':>5} {'strategy':>9} {'model':>8}  status")
     for c in info["checkpoints"]:
         if c.get("verified", True):

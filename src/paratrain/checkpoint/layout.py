@@ -230,9 +230,23 @@ def candidates(root: str | Path, on_skip: SkipFn | None = None) -> Iterator[Path
         on_skip(r / LATEST_FILE, [why])
     bound = None
     if named is not None:
-        if named.is_dir() and not named.is_symlink():
+        instead = "ignored, using the newest valid step directory instead"
+        if named.is_symlink():
+            if on_skip is not None:
+                on_skip(
+                    named,
+                    [
+                        f"is a symbolic link ({LATEST_FILE} names it); checkpoints are real directories inside "
+                        f"the checkpoint directory: {instead}"
+                    ],
+                )
+        elif not named.is_dir():
+            if on_skip is not None:
+                what = "does not exist" if not named.exists() else "is not a directory"
+                on_skip(r / LATEST_FILE, [f"names {named.name}, which {what}; {instead}"])
+        else:
             yield named
-        bound = committed_at(named)
+            bound = committed_at(named)  # (never read through a symbolic link)
         if bound is None:
             with contextlib.suppress(OSError):
                 bound = (r / LATEST_FILE).stat().st_mtime
