@@ -117,3 +117,24 @@ def test_truncated_skipped_world_size_change_and_foreign_model_refused(tmp_path:
     cfg = RunConfig().override(["model.name=mlp"])
     expect = {k: v.shape for k, v in build_model(cfg.model, (32,), 10).state_dict().items()}
     assert {k: v.shape for k, v in load_file(str(exported)).items()} == expect
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mistake", ["ckpt-dir is a step directory", "latest is a directory"])
+def test_checkpoint_directory_mistakes_are_refused_before_launch(tmp_path: Path, mistake: str) -> None:
+    tiny = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
+            "--batch-size", "16", "--nproc-per-node", "1"]  # fmt: skip
+    run_cli("train", *tiny, "--steps", "2", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
+    step = tmp_path / "a" / "checkpoints" / "step_00000002"
+    before = sorted(p.name for p in step.rglob("*"))
+    if mistake == "ckpt-dir is a step directory":
+        args, expect = ["--ckpt-dir", str(step)], f"to resume from it use --resume {step}"
+    else:
+        (tmp_path / "b" / "checkpoints" / "latest").mkdir(parents=True)
+        args, expect = [], "latest is a directory"
+    proc = run_cli("train", *tiny, "--steps", "2", "--run-dir", str(tmp_path / "b"), *args, cwd=tmp_path,
+                   check=False)  # fmt: skip
+    assert proc.returncode == 2 and expect in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "process(es)" not in proc.stderr  # refused before the workers were launched
+    assert sorted(p.name for p in step.rglob("*")) == before
+    assert not list((tmp_path / "b" / "checkpoints").glob("step_*"))

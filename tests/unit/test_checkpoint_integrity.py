@@ -713,6 +713,44 @@ def test_preflight_refuses_a_read_only_or_file_checkpoint_dir(tmp_path: Path) ->
             preflight_checkpoint_dir(ro)
 
 
+def test_preflight_refuses_a_step_directory_and_a_latest_directory(tmp_path: Path) -> None:
+    """A committed step directory as --ckpt-dir (the run would write its checkpoints inside another one), and
+    a directory named latest (the first save would commit and then fail): refused before launch."""
+    _save(tmp_path / "ck", [20])
+    step = tmp_path / "ck" / "step_00000020"
+    for target in (step, step / "sub"):
+        with pytest.raises(ConfigError) as err:
+            preflight_checkpoint_dir(target)
+        assert "a checkpoint step directory (it holds commit.json)" in str(err.value)
+        assert f"use --resume {step}" in str(err.value) and "--ckpt-dir its parent or a new directory" in str(
+            err.value
+        )
+    assert not (step / "sub").exists() and sorted(p.name for p in step.iterdir()) == sorted(
+        [COMMIT_FILE, ".metadata", "__0_0.distcp", "rng", "train_state.json"]
+    )
+    preflight_checkpoint_dir(tmp_path / "ck")  # its parent is fine
+    (tmp_path / "ld" / "latest").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"latest is a directory: .* Remove or rename it"):
+        preflight_checkpoint_dir(tmp_path / "ld")
+
+
+def test_cli_inspect_of_a_directory_without_checkpoints_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paratrain.cli import main
+
+    _save(tmp_path / "run" / "checkpoints", [1])
+    for d in (tmp_path / "run", tmp_path / "empty"):
+        d.mkdir(exist_ok=True)
+        assert main(["ckpt", "inspect", str(d)]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and "holds no checkpoints" in lines[0] and captured.out == "", captured
+    assert main(["ckpt", "inspect", str(tmp_path / "run")]) == 2
+    assert f"did you mean {tmp_path / 'run' / 'checkpoints'}?" in capsys.readouterr().err
+    assert main(["ckpt", "inspect", str(tmp_path / "run" / "checkpoints")]) == 0
+
+
 # ---- ckpt inspect / export ----------------------------------------------------------------------------------------------
 def test_inspect_verifies_by_default_and_fast_checks_sizes(tmp_path: Path) -> None:
     from paratrain.checkpoint.inspect import format_inspect, inspect_dir

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -37,6 +38,8 @@ from paratrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from paratrain.config import RunConfig
+
+_STEP_NAME = re.compile(r"step_[0-9]{8,}")
 
 
 def _dir_bytes(p: Path) -> int:
@@ -98,6 +101,17 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
             "resume_auto": None,
             "in_progress": [],
         }
+    in_progress = sorted(p.name for p in r.glob(".step_*.tmp*"))
+    if (
+        not (r / LATEST_FILE).exists()
+        and not in_progress
+        and not any(_STEP_NAME.fullmatch(p.name) for p in r.iterdir())
+    ):
+        hint = f" (did you mean {r / 'checkpoints'}?)" if (r / "checkpoints").is_dir() else ""
+        raise ConfigError(
+            f"{r} holds no checkpoints (no step_NNNNNNNN directory, no latest){hint}. Give a checkpoint "
+            "directory (e.g. runs/NAME/checkpoints) or one step directory."
+        )
     named, why = read_latest(r)
     described = {p: describe(p, fast) for p in list_checkpoints(r)}
     # what --resume auto would pick, from the checks just made (each checkpoint is read once), and what it
@@ -115,7 +129,7 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
         "latest_problem": f"{LATEST_FILE} {why}" if why else None,
         "notes": notes,
         "resume_auto": str(auto) if auto else None,
-        "in_progress": sorted(p.name for p in r.glob(".step_*.tmp*")),
+        "in_progress": in_progress,
     }
 
 

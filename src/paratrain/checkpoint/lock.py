@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paratrain.checkpoint.integrity import COMMIT_FILE
+from paratrain.checkpoint.layout import LATEST_FILE, step_of
 from paratrain.errors import ConfigError
 
 LOCK_FILE = ".lock"
@@ -44,11 +46,30 @@ def _warn(message: str) -> None:
 
 # ---- preflight ----------------------------------------------------------------------------------------------
 def preflight_checkpoint_dir(path: str | Path) -> None:
-    """Refuse a checkpoint directory that cannot be created or written, naming it (before any launch)."""
+    """Refuse a checkpoint directory that cannot be created or written, naming it (before any launch): also a
+    committed step directory (or a directory inside one), where a run would write its own checkpoints into
+    another's, and a ``latest`` that is not a file (the first commit could not replace it)."""
     d = Path(path)
     if d.exists() and not d.is_dir():
         raise ConfigError(
             f"checkpoint directory {d} exists and is not a directory. Give a directory as --ckpt-dir."
+        )
+    step = next(
+        (x for x in (d, *d.parents) if (x == d or step_of(x) is not None) and (x / COMMIT_FILE).is_file()),
+        None,
+    )
+    if step is not None:
+        where = "is" if step == d else f"is inside {step}, which is"
+        raise ConfigError(
+            f"checkpoint directory {d} {where} a checkpoint step directory (it holds {COMMIT_FILE}); to resume "
+            f"from it use --resume {step}, and give --ckpt-dir its parent or a new directory."
+        )
+    latest = d / LATEST_FILE
+    if latest.is_dir() or (latest.exists() and not latest.is_file()):
+        raise ConfigError(
+            f"{latest} is a {'directory' if latest.is_dir() else 'special file'}: paratrain writes a file of that "
+            "name after every save (it names the newest checkpoint), and could not replace it. Remove or rename "
+            "it, or use another --ckpt-dir."
         )
     try:
         d.mkdir(parents=True, exist_ok=True)
