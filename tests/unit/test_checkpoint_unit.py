@@ -360,3 +360,60 @@ def test_preflight_resume_refuses_another_optimizer(tmp_path: Path) -> None:
     cfg.optimizer.name = "sgd"
     with pytest.raises(ConfigError, match="saved with --optimizer adamw, and this run uses --optimizer sgd"):
         preflight_resume(cfg, model)
+
+
+def _saved_by_a_run(tmp_path: Path, overrides: list[str]) -> RunConfig:
+    """One checkpoint as the trainer saves it (its optimizer, scheduler and config), for preflight tests."""
+    from paratrain.checkpoint.state import jsonable
+    from paratrain.models import build_model
+    from paratrain.train.trainer import build_optimizer, build_scheduler
+
+    cfg = RunConfig().override(
+        [
+            "model.name=mlp",
+            "model.hidden=8",
+            "data.name=synthetic-classification",
+            f"checkpoint.dir={tmp_path}",
+            *overrides,
+        ]
+    )
+    model = build_model(cfg.model, (32,), 10)
+    opt = build_optimizer(model, cfg)
+    sched = build_scheduler(opt, cfg, 10)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    sched.step()
+    state = {"scheduler": jsonable(sched.state_dict()), "config": cfg.to_dict()}
+    CheckpointManager(tmp_path, _ctx()).save(1, model, opt, state)
+    return cfg
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_preflight_resume_warns_once_that_the_checkpoint_hyperparameters_win(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], optimizer: str
+) -> None:
+    from paratrain.models import build_model
+
+    cfg = _saved_by_a_run(tmp_path, [f"optimizer.name={optimizer}", "optimizer.lr=0.003"])
+    model = build_model(cfg.model, (32,), 10)
+    assert preflight_resume(cfg, model) == tmp_path / "step_00000001"
+    assert "warning" not in capsys.readouterr().err  # nothing changed: nothing said
+    cfg.optimizer.lr = 1e-4
+    cfg.optimizer.weight_decay = 0.1
+    assert preflight_resume(cfg, model) == tmp_path / "step_00000001"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert (
+        "saved with optimizer lr 0.003, weight_decay 0; this run asks for lr 0.0001, weight_decay 0.1"
+        in err[0]
+    )
+    assert "The checkpoint's values win" in err[0] and "--resume never" in err[0]
+    cfg.optimizer.lr, cfg.optimizer.weight_decay = 0.003, 0.0
+    if optimizer == "sgd":
+        cfg.optimizer.momentum = 0.5
+        expect = "momentum 0.9; this run asks for momentum 0.5"
+    else:
+        cfg.optimizer.betas = (0.8, 0.999)
+        expect = "betas (0.9, 0.999); this run asks for betas (0.8, 0.999)"
+    preflight_resume(cfg, model)
+    assert expect in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -290,7 +291,61 @@ def preflight_resume(
     if mismatches:
         raise ConfigError(mismatch_message(path, mismatches))
     _check_same_optimizer(cfg, path)
+    _warn_restored_hyperparameters(cfg, path, md)
     return path
+
+
+def _restored_hyperparameters(path: Path, md: Any) -> dict[str, Any]:
+    """The optimizer hyper-parameters a resume restores from ``path`` (they replace the run's own): the base
+    ``lr`` (the scheduler's ``base_lrs``, else the optimizer's ``initial_lr``) and each parameter group's
+    ``weight_decay``, ``momentum``, ``betas`` as saved. Unreadable values are left out."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    out: dict[str, Any] = {}
+    base_lrs = _read_state(path).get("scheduler", {}).get("base_lrs")
+    if isinstance(base_lrs, list) and base_lrs:
+        out["lr"] = base_lrs[0]
+    wanted = {"initial_lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum", "betas": "betas"}
+    for fqn, meta in md.state_dict_metadata.items():
+        key = fqn.rsplit(".", 1)[-1]
+        name = wanted.get(key)
+        if not (fqn.startswith("optim.param_groups.") and isinstance(meta, BytesStorageMetadata)) or not name:
+            continue
+        if name in out:
+            continue
+        with contextlib.suppress(Exception):  # damaged entries are the workers' to report
+            value = safe.read_byte_entry(path, md, fqn)
+            out[name] = [float(v) for v in value] if isinstance(value, list | tuple) else float(value)
+    return out
+
+
+def _warn_restored_hyperparameters(cfg: RunConfig, path: Path, md: Any) -> None:
+    """The optimizer's state (param groups) and the LR scheduler's resume as saved: a changed ``--lr`` (or
+    weight decay, momentum, betas) would be ignored. Say so once, in the launching process."""
+    o = cfg.optimizer
+    live: dict[str, Any] = {"lr": o.lr, "weight_decay": o.weight_decay}
+    live.update({"momentum": o.momentum} if o.name == "sgd" else {"betas": [float(b) for b in o.betas]})
+    saved = _restored_hyperparameters(path, md)
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return isinstance(a, float | int) and isinstance(b, float | int) and math.isclose(a, b, rel_tol=1e-6)
+
+    def show(v: Any) -> str:
+        return "(" + ", ".join(f"{x:g}" for x in v) + ")" if isinstance(v, list) else f"{v:g}"
+
+    changed = [k for k in live if k in saved and not same(saved[k], live[k])]
+    if not changed:
+        return
+    was = ", ".join(f"{k} {show(saved[k])}" for k in changed)
+    now = ", ".join(f"{k} {show(live[k])}" for k in changed)
+    print(
+        f"paratrain: warning: resuming from {path}, saved with optimizer {was}; this run asks for {now}. The "
+        "checkpoint's values win: the optimizer and its LR schedule resume as saved, and these settings are "
+        "ignored. To train with them, start fresh (--resume never, in a new --run-dir or --ckpt-dir).",
+        file=sys.stderr,
+    )
 
 
 def _check_same_optimizer(cfg: RunConfig, path: Path) -> None:

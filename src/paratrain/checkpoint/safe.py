@@ -217,10 +217,7 @@ def check_byte_entries(step_dir: str | Path, md: Metadata, files: set[str] | Non
         if info is None or (files is not None and rel not in files):
             continue
         try:
-            with open(Path(step_dir) / rel, "rb") as f:
-                f.seek(int(info.offset))
-                raw = f.read(int(info.length))
-            obj = torch.load(io.BytesIO(raw), weights_only=True)
+            obj = read_byte_entry(step_dir, md, fqn)
         except Exception as e:
             out.append(str(DamagedFileError(rel, f"entry {fqn}: {describe_read_error(e)}")))
             continue
@@ -229,3 +226,13 @@ def check_byte_entries(step_dir: str | Path, md: Metadata, files: set[str] | Non
                 str(DamagedFileError(rel, f"entry {fqn} holds a {_kind(obj)} ({obj!r:.40}), not a number"))
             )
     return out
+
+
+def read_byte_entry(step_dir: str | Path, md: Metadata, fqn: str) -> Any:
+    """One non-tensor entry of a checkpoint (e.g. ``optim.param_groups.<param>.lr``), read with
+    ``torch.load(weights_only=True)``; ``KeyError`` when the checkpoint has no such entry."""
+    info = (md.storage_data or {})[MetadataIndex(fqn)]
+    with open(Path(step_dir) / str(info.relative_path), "rb") as f:
+        f.seek(int(info.offset))
+        raw = f.read(int(info.length))
+    return torch.load(io.BytesIO(raw), weights_only=True)
