@@ -138,3 +138,17 @@ def test_checkpoint_directory_mistakes_are_refused_before_launch(tmp_path: Path,
     assert "process(es)" not in proc.stderr  # refused before the workers were launched
     assert sorted(p.name for p in step.rglob("*")) == before
     assert not list((tmp_path / "b" / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.timeout(120)
+def test_dataset_change_on_resume_is_refused_before_launch(tmp_path: Path) -> None:
+    tiny = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
+            "--batch-size", "16", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "a")]  # fmt: skip
+    run_cli("train", *tiny, "--steps", "2", cwd=tmp_path)
+    proc = run_cli(
+        "train", *tiny, "--steps", "4", "--set", "data.test_fraction=0.5", cwd=tmp_path, check=False
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if "paratrain" in ln]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "process(es)" not in proc.stderr and len(lines) == 1, proc.stderr  # one line, before any launch
+    assert "was saved while training on 102 samples, and this run's training split has 64" in lines[0]

@@ -417,3 +417,34 @@ def test_preflight_resume_warns_once_that_the_checkpoint_hyperparameters_win(
         expect = "betas (0.9, 0.999); this run asks for betas (0.8, 0.999)"
     preflight_resume(cfg, model)
     assert expect in capsys.readouterr().err
+
+
+def test_preflight_resume_refuses_another_training_set_size(tmp_path: Path) -> None:
+    from paratrain.data import DistributedBatchSampler, build_dataset
+    from paratrain.models import build_model
+
+    cfg = RunConfig().override(
+        [
+            "model.name=mlp",
+            "model.hidden=8",
+            "data.name=synthetic-classification",
+            f"checkpoint.dir={tmp_path}",
+        ]
+    )
+    data = build_dataset(cfg.data)
+    sampler = DistributedBatchSampler(len(data.train), 16, 0, 1, seed=0, shuffle=True)
+    model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    opt = torch.optim.AdamW(model.parameters())
+    CheckpointManager(tmp_path, _ctx()).save(1, model, opt, {"sampler": sampler.state_dict()})
+    assert preflight_resume(cfg, model, num_samples=len(data.train)) == tmp_path / "step_00000001"
+    cfg = cfg.override(["data.test_fraction=0.3"])
+    smaller = len(build_dataset(cfg.data).train)
+    assert smaller < len(data.train)
+    with pytest.raises(ConfigError) as err:
+        preflight_resume(cfg, model, num_samples=smaller)
+    msg = str(err.value)
+    assert (
+        f"saved while training on {len(data.train)} samples, and this run's training split has {smaller}"
+        in msg
+    )
+    assert "same data flags" in msg and "--resume never" in msg and "\n" not in msg

@@ -242,13 +242,19 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
 
 
 def preflight_resume(
-    cfg: RunConfig, meta_model: nn.Module, run_dir: str | Path | None = None, verify: bool = True
+    cfg: RunConfig,
+    meta_model: nn.Module,
+    run_dir: str | Path | None = None,
+    verify: bool = True,
+    num_samples: int | None = None,
 ) -> Path | None:
     """The checkpoint the workers will resume from, checked against the model before any process starts.
 
     Raises :class:`ConfigError` listing every mismatch (missing/unexpected keys, shapes), or the problems of
     an explicitly given broken checkpoint. With ``--resume auto`` broken checkpoints are skipped (reported).
     ``verify``: compare checksums too (reads the checkpoint once; the workers verify again, split among ranks).
+    ``num_samples``: the size of this run's training split; a checkpoint whose sampler position is in a
+    dataset of another size is refused (the caller builds the dataset: this layer does not import ``data``).
     """
     mode = cfg.checkpoint.resume
     root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
@@ -291,8 +297,23 @@ def preflight_resume(
     if mismatches:
         raise ConfigError(mismatch_message(path, mismatches))
     _check_same_optimizer(cfg, path)
+    if num_samples is not None:
+        _check_same_dataset_size(path, num_samples)
     _warn_restored_hyperparameters(cfg, path, md)
     return path
+
+
+def _check_same_dataset_size(path: Path, num_samples: int) -> None:
+    """The sampler resumes a position in a permutation of the training set: it needs the same set."""
+    sampler = _read_state(path).get("sampler")
+    saved = sampler.get("num_samples") if isinstance(sampler, dict) else None
+    if isinstance(saved, int) and saved != num_samples:
+        raise ConfigError(
+            f"{path} was saved while training on {saved} samples, and this run's training split has "
+            f"{num_samples} (the --data flags or data.* settings changed): its data position cannot resume in "
+            "another dataset. Resume with the same data flags as the run that saved it, or start fresh with "
+            "--resume never or another --ckpt-dir (--run-dir)."
+        )
 
 
 def _restored_hyperparameters(path: Path, md: Any) -> dict[str, Any]:

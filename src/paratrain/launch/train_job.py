@@ -108,7 +108,8 @@ def preflight_run(cfg: RunConfig) -> int:
         print(f"paratrain: warning: {warning}", file=sys.stderr)
     strategy.check_model(meta_model, world, cfg.strategy)
     preflight_train(cfg, world, strategy)  # elastic ranges, fault-injection rank, multi-node run dir
-    preflight_resume(cfg, meta_model, cfg.train.run_dir)  # a checkpoint of another model fails here
+    # a checkpoint of another model, optimizer or training-set size fails here
+    preflight_resume(cfg, meta_model, cfg.train.run_dir, num_samples=len(data.train))
     if ":" not in cfg.launch.nnodes:  # a fixed world: the workers build exactly the mesh validated here
         topo = strategy.topology_for(world, cfg.strategy)
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
