@@ -152,3 +152,22 @@ def test_dataset_change_on_resume_is_refused_before_launch(tmp_path: Path) -> No
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "process(es)" not in proc.stderr and len(lines) == 1, proc.stderr  # one line, before any launch
     assert "was saved while training on 102 samples, and this run's training split has 64" in lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_checkpoint_is_reported_once(tmp_path: Path) -> None:
+    """The launcher reports a damaged checkpoint before launch; rank 0 does not print it a second time."""
+    tiny = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
+            "--batch-size", "16", "--nproc-per-node", "1", "--ckpt-every", "2", "--run-dir", str(tmp_path / "a")]  # fmt: skip
+    run_cli("train", *tiny, "--steps", "4", cwd=tmp_path)
+    shard = tmp_path / "a" / "checkpoints" / "step_00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run_cli("train", *tiny, "--steps", "6", "--json", cwd=tmp_path)
+    assert last_json(proc.stdout)["resumed_from_step"] == 2
+    skips = [ln for ln in proc.stderr.splitlines() if "skipping checkpoint" in ln]
+    assert len(skips) == 1 and "step_00000004: __0_0.distcp does not match its checksum" in skips[0], (
+        proc.stderr
+    )
+    assert "--resume auto" not in skips[0]

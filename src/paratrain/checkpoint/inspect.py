@@ -247,6 +247,7 @@ def preflight_resume(
     run_dir: str | Path | None = None,
     verify: bool = True,
     num_samples: int | None = None,
+    reported: list[str] | None = None,
 ) -> Path | None:
     """The checkpoint the workers will resume from, checked against the model before any process starts.
 
@@ -255,6 +256,8 @@ def preflight_resume(
     ``verify``: compare checksums too (reads the checkpoint once; the workers verify again, split among ranks).
     ``num_samples``: the size of this run's training split; a checkpoint whose sampler position is in a
     dataset of another size is refused (the caller builds the dataset: this layer does not import ``data``).
+    ``reported``: receives the absolute path of every checkpoint (or ``latest``) this warned about, so that
+    the workers do not warn about it again.
     """
     mode = cfg.checkpoint.resume
     root = cfg.checkpoint.dir or (str(Path(run_dir) / "checkpoints") if run_dir else None)
@@ -276,6 +279,8 @@ def preflight_resume(
 
         def skipped(p: Path, problems: list[str]) -> None:
             print(f"paratrain: warning: skipping checkpoint {p}: {'; '.join(problems)}", file=sys.stderr)
+            if reported is not None:
+                reported.append(os.path.abspath(p))
 
         path = find_latest_valid(root, on_skip=skipped, verify=verify)
         if path is None:

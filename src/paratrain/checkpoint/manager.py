@@ -121,10 +121,12 @@ class DamagedCheckpointError(CheckpointError):
     """The checkpoint's files are not what was written (corrupt, partial, tampered): ``--resume auto``
     falls back to an older one. (A checkpoint of another model is a plain :class:`CheckpointError`.)"""
 
-    def __init__(self, message: str, model_touched: bool = False) -> None:
+    def __init__(self, message: str, model_touched: bool = False, problems: list[str] | None = None) -> None:
         super().__init__(message)
         self.model_touched = model_touched
         """True when the failure came after tensors were already copied into the model/optimizer."""
+        self.problems = problems or [message]
+        """What is wrong, without the advice for ``--resume PATH`` (what a fallback reports)."""
 
 
 @dataclass
@@ -442,7 +444,8 @@ class CheckpointManager:
         if problems:
             raise DamagedCheckpointError(
                 f"checkpoint {p} is not usable: {'; '.join(problems)}. Point --resume at another step "
-                "directory, or use --resume auto to fall back to the newest valid one."
+                "directory, or use --resume auto to fall back to the newest valid one.",
+                problems=problems,
             )
         key = self._key(p)
         if key is not None:
@@ -505,7 +508,7 @@ class CheckpointManager:
                     return self.load(p, model, optimizer)
                 except DamagedCheckpointError as e:
                     touched = p if e.model_touched else touched
-                    problems = [str(e)]
+                    problems = e.problems  # (already under --resume auto: no advice to use it)
             if on_skip is not None:
                 on_skip(p, problems)
         if touched is not None:

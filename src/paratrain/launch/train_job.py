@@ -109,7 +109,10 @@ def preflight_run(cfg: RunConfig) -> int:
     strategy.check_model(meta_model, world, cfg.strategy)
     preflight_train(cfg, world, strategy)  # elastic ranges, fault-injection rank, multi-node run dir
     # a checkpoint of another model, optimizer or training-set size fails here
-    preflight_resume(cfg, meta_model, cfg.train.run_dir, num_samples=len(data.train))
+    reported: list[str] = []
+    preflight_resume(cfg, meta_model, cfg.train.run_dir, num_samples=len(data.train), reported=reported)
+    # the skipped checkpoints were just reported: the workers' first attempt does not repeat them
+    os.environ["PARATRAIN_REPORTED_SKIPS"] = json.dumps(reported)
     if ":" not in cfg.launch.nnodes:  # a fixed world: the workers build exactly the mesh validated here
         topo = strategy.topology_for(world, cfg.strategy)
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard

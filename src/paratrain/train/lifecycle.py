@@ -18,6 +18,7 @@ every rank saves at the same step and the loop stops.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -116,8 +117,14 @@ class RunLifecycle:
     def resume(self) -> None:
         st, mode = self.state, self.cfg.checkpoint.resume
 
+        # the launcher already printed what it skipped before launch (same checks): say it once
+        already = (
+            set(json.loads(os.environ.get("PARATRAIN_REPORTED_SKIPS") or "[]")) if attempt() == 0 else set()
+        )
+
         def skipped(path: Any, problems: list[str]) -> None:
-            self.log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+            log = self.log.debug if os.path.abspath(path) in already else self.log.warning
+            log("skipping checkpoint %s: %s", path, "; ".join(problems))
 
         loaded = None
         since = self._job_start() if attempt() > 0 and mode != "auto" else None
