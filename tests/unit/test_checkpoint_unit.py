@@ -448,3 +448,16 @@ def test_preflight_resume_refuses_another_training_set_size(tmp_path: Path) -> N
         in msg
     )
     assert "same data flags" in msg and "--resume never" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_export_follows_the_umask(tmp_path: Path, umask: int) -> None:
+    _save_steps(tmp_path / "ck", [1])
+    old = os.umask(umask)
+    try:
+        export_safetensors(tmp_path / "ck" / "step_00000001", tmp_path / "m.safetensors")
+        (tmp_path / "plain").write_bytes(b"x")  # what the same process gives any new file
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "m.safetensors").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain").stat().st_mode & 0o777 == 0o666 & ~umask

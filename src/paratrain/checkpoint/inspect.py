@@ -228,6 +228,7 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in model.items()}, str(tmp), metadata=meta_out)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600: give it a new file's usual mode
         os.replace(tmp, dest)
     except Exception as e:  # OSError, or safetensors' own error (a full disk while writing)
         with contextlib.suppress(OSError):
@@ -239,6 +240,13 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
         "tensors": len(model),
         "bytes": sum(t.numel() * t.element_size() for t in model.values()),
     }
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back: there is no getter before Python 3.14)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def preflight_resume(
