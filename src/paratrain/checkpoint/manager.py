@@ -565,7 +565,6 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def _json_bytes(obj: Any) -> bytes:
-
     return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
