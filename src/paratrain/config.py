@@ -66,6 +66,8 @@ def option(
 def _check_positive(section: str, name: str, value: float | int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
+    if value is not None and not math.isfinite(value):  # NaN passed `<= 0`; inf is no setting either
+        raise ConfigError(f"{section}.{name} must be a finite number, got {value!r}. Set a value > 0.")
     if value is None or value <= 0:
         raise ConfigError(f"{section}.{name} must be positive, got {value!r}. Set a value > 0.")
 

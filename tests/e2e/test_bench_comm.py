@@ -84,6 +84,8 @@ def test_bench_comm_table(tmp_path: Path) -> None:
         (["--sizes", "1XB..2MB"], "--sizes: cannot read '1XB' as a size"),
         (["--collectives", "broadcast", "--algorithms", "ring"], "--algorithms: unknown 'ring'"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
+        (["--timeout", "nan"], "launch.timeout_s must be a finite number, got nan"),
+        (["--timeout", "inf"], "launch.timeout_s must be a finite number, got inf"),
     ],
 )
 def test_bench_comm_bad_arguments_fail_before_launching(

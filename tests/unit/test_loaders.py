@@ -99,6 +99,43 @@ def test_mnist_errors(tmp_path: Path) -> None:
         build_dataset(DataConfig(name="mnist"))
 
 
+def _mnist_dir(root: Path, n: int = 6, test_hw: int = 28, label: int = 3) -> Path:
+    root.mkdir()
+    y = np.full(n, label)
+    write_idx(root / "train-images-idx3-ubyte", np.zeros((n, 28, 28)))
+    write_idx(root / "train-labels-idx1-ubyte", y)
+    write_idx(root / "t10k-images-idx3-ubyte", np.zeros((2, test_hw, test_hw)))
+    write_idx(root / "t10k-labels-idx1-ubyte", np.zeros(2))
+    return root
+
+
+def test_mnist_damaged_files_are_one_config_error(tmp_path: Path) -> None:
+    """Each gets a ConfigError naming the problem (before: numpy/zlib/torch errors, a traceback), or, for a
+    label outside 0-9, no longer a silently wider model."""
+    header_only = _mnist_dir(tmp_path / "hdr")
+    (header_only / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03")  # magic, no dimension words
+    with pytest.raises(ConfigError, match="header ends after 4 bytes"):
+        build_dataset(DataConfig(name=f"mnist:{header_only}"))
+    bad_gz = _mnist_dir(tmp_path / "gz")
+    (bad_gz / "train-images-idx3-ubyte").unlink()
+    (bad_gz / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"x" * 100)[:12] + b"\xff" * 30)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        build_dataset(DataConfig(name=f"mnist:{bad_gz}"))
+    with pytest.raises(ConfigError, match="hold 0 images"):
+        build_dataset(DataConfig(name=f"mnist:{_mnist_dir(tmp_path / 'zero', n=0)}"))
+    with pytest.raises(ConfigError, match=r"t10k images are \(14, 14\) but the training images are \(28, 28\)"):
+        build_dataset(DataConfig(name=f"mnist:{_mnist_dir(tmp_path / 'hw', test_hw=14)}"))
+    with pytest.raises(ConfigError, match="holds label 200"):
+        build_dataset(DataConfig(name=f"mnist:{_mnist_dir(tmp_path / 'label', label=200)}"))
+
+
+def test_cifar_batch_name_that_is_a_directory(tmp_path: Path) -> None:
+    write_cifar(tmp_path / "data_batch_1.bin", np.arange(20) % 10, np.zeros((20, 3, 32, 32)))
+    (tmp_path / "data_batch_2.bin").mkdir()
+    with pytest.raises(ConfigError, match="data_batch_2.bin.*cannot be read"):
+        build_dataset(DataConfig(name=f"cifar10:{tmp_path}"))
+
+
 def test_augmentations() -> None:
     x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
     g = torch.Generator().manual_seed(0)
@@ -185,3 +222,9 @@ def test_grad_accum_message() -> None:
     cfg.train.batch_size, cfg.train.grad_accum = 20, 3
     with pytest.raises(ConfigError, match=r"--grad-accum 3 does not divide the per-rank batch 10"):
         cfg.validate(2)
+
+
+@pytest.mark.parametrize("name", ["digits", "synthetic-classification", "synthetic-regression"])
+def test_a_path_after_a_built_in_dataset_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ConfigError, match=f"--data {name} takes no path"):
+        build_dataset(DataConfig(name=f"{name}:{tmp_path}"))

@@ -73,8 +73,18 @@ def available_datasets() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_BUILT_IN = ("digits", "synthetic-classification", "synthetic-regression")
+"""Datasets the code makes or a package ships: a ``:PATH`` after their name would be ignored."""
+
+
 def build_dataset(cfg: DataConfig) -> Splits:
-    return get_dataset_builder(cfg.name)(cfg)
+    builder = get_dataset_builder(cfg.name)
+    if cfg.name in _BUILT_IN and cfg.path:
+        raise ConfigError(
+            f"--data {cfg.name} takes no path, got {cfg.name}:{cfg.path}: it is built in and would ignore it. "
+            f"Write --data {cfg.name}, or name a file-backed dataset (mnist:DIR, cifar10:DIR, text:PATH)."
+        )
+    return builder(cfg)
 
 
 def get_dataset_builder(name: str) -> DatasetBuilder:

@@ -44,7 +44,13 @@ def _resolve_dir(path: str | None) -> Path:
 
 def read_cifar_bin(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """One binary batch file -> ``(uint8 images (N, 3, 32, 32), int64 labels (N,))``."""
-    raw = np.fromfile(path, dtype=np.uint8)
+    try:
+        raw = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:  # a directory named like a batch file, an unreadable file
+        raise ConfigError(
+            f"cifar10: {str(path)!r} cannot be read ({type(e).__name__}: {e}). It must be a CIFAR-10 binary "
+            "batch file; move whatever else is there out of the folder."
+        ) from None
     if raw.size == 0 or raw.size % RECORD_BYTES:
         raise ConfigError(
             f"cifar10: {str(path)!r} has {raw.size} bytes, not a positive multiple of the {RECORD_BYTES}-byte "

@@ -11,6 +11,7 @@ Without the ``t10k`` pair a ``data.test_fraction`` share of the training set is 
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,23 @@ MEAN, STD = 0.1307, 0.3081
 
 def read_idx(path: Path) -> np.ndarray:
     """Parse one IDX file (plain or ``.gz``) into an array of its declared type and shape."""
-    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:  # a directory, a torn or garbled .gz (BadGzipFile: OSError)
+        raise ConfigError(
+            f"mnist: {str(path)!r} cannot be read ({type(e).__name__}: {e}). "
+            "The file is truncated or corrupt; download it again."
+        ) from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
         raise ConfigError(f"mnist: {str(path)!r} is not an IDX file (bad magic number {data[:4].hex()}).")
     dtype = _IDX_DTYPES[data[2]]
     ndim = data[3]
     header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ConfigError(
+            f"mnist: {str(path)!r} declares {ndim} dimensions but its header ends after {len(data)} bytes "
+            f"(needs {header}). The file is truncated or corrupt; download it again."
+        )
     dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
     expected = int(np.prod(dims)) * dtype.itemsize
     if len(data) - header != expected:
@@ -64,6 +76,12 @@ def _pair(root: Path, prefix: str) -> tuple[torch.Tensor, torch.Tensor] | None:
             f"mnist: {images.name} has shape {x.shape} and {labels.name} has shape {y.shape}; expected "
             "(N, H, W) images and N labels."
         )
+    if y.size and (int(y.min()) < 0 or int(y.max()) > 9):
+        bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
+        raise ConfigError(
+            f"mnist: {labels.name} holds label {bad}; MNIST labels are the digits 0-9. The file is corrupt or "
+            "not MNIST's; download it again."
+        )
     return torch.from_numpy(x.copy()), torch.from_numpy(y.astype(np.int64))
 
 
@@ -88,7 +106,16 @@ def load_mnist(
             f"mnist: {str(root)!r} lacks train-images-idx3-ubyte and train-labels-idx1-ubyte (plain or .gz). "
             "Download them from http://yann.lecun.com/exdb/mnist/ (or a mirror) into that folder."
         )
-    return train, _pair(root, "t10k")
+    if len(train[1]) == 0:
+        raise ConfigError(f"mnist: the training files in {str(root)!r} hold 0 images. Download them again.")
+    test = _pair(root, "t10k")
+    if test is not None and test[0].shape[1:] != train[0].shape[1:]:
+        raise ConfigError(
+            f"mnist: the t10k images are {tuple(test[0].shape[1:])} but the training images are "
+            f"{tuple(train[0].shape[1:])} (H, W) in {str(root)!r}; both must have one size. Replace the t10k "
+            "files with the matching set, or remove them (a data.test_fraction share is held out instead)."
+        )
+    return train, test
 
 
 @register_dataset("mnist")
@@ -103,7 +130,7 @@ def mnist(cfg: DataConfig) -> Splits:
     def prep(x: torch.Tensor) -> torch.Tensor:
         return normalize(x.float().unsqueeze(1) / 255.0, [MEAN], [STD])
 
-    num_classes = max(10, int(ytr.max()) + 1)
+    num_classes = 10  # labels are checked to be digits 0-9 (_pair)
     return Splits(
         train=TensorData(prep(xtr), ytr, random_crop(2) if cfg.augment else None),
         test=TensorData(prep(xte), yte),
