@@ -82,12 +82,12 @@ def choose_backend(backend: str = "auto", device: str = "auto") -> tuple[str, st
         device = "cuda" if cuda_available() else "cpu"
     if device == "cuda" and not cuda_available():
         raise RuntimeError(
-            "device 'cuda' was requested but no CUDA GPU is visible. Use --set launch.device=cpu."
+            "device 'cuda' was requested but no CUDA GPU is visible. Use --device cpu."
         )
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
-        raise RuntimeError("backend 'nccl' needs CUDA devices. Use --set launch.backend=gloo on CPU.")
+        raise RuntimeError("backend 'nccl' needs CUDA devices. Use --backend gloo on CPU.")
     return backend, device
 
 

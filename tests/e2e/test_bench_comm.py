@@ -91,9 +91,33 @@ def test_bench_comm_table(tmp_path: Path) -> None:
 def test_bench_comm_bad_arguments_fail_before_launching(
     tmp_path: Path, flags: list[str], message: str
 ) -> None:
+    _refused(tmp_path, flags, message)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs CUDA GPUs"),
+        (["--device", "cuda"], "no CUDA GPU is visible. Use --device cpu."),
+    ],
+)
+def test_bench_comm_gpu_flags_on_a_cpu_machine_fail_before_launching(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: these flags are valid here")
+    stderr = _refused(tmp_path, flags, message)
+    assert "--set" not in stderr  # bench comm has no --set: the advice names its own flags
+
+
+def _refused(tmp_path: Path, flags: list[str], message: str) -> str:
     start = time.monotonic()
     proc = run_cli("bench", "comm", *flags, cwd=tmp_path, timeout=50, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - start < 30  # nothing was launched
+    return proc.stderr

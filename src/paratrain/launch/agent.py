@@ -59,13 +59,19 @@ def preflight(launch: LaunchConfig) -> None:
     nproc = resolve_nproc(launch)
     gpus = gpu_count()
     uses_cuda = launch.device == "cuda" or (launch.device == "auto" and gpus > 0)
+    if launch.device == "cuda" and gpus == 0:
+        raise ConfigError("--device cuda was asked for, but no CUDA GPU is visible. Use --device cpu.")
     if uses_cuda and nproc > gpus:
+        on_cpu = ", or run on CPU with --device cpu" if launch.device == "cuda" else ""
         raise ConfigError(
             f"--nproc-per-node {nproc} but this machine has {gpus} GPU(s): start at most one process per GPU "
-            f"(--nproc-per-node {gpus}), or run on CPU with --set launch.device=cpu."
+            f"(--nproc-per-node {gpus}){on_cpu}."
         )
-    if launch.device == "cuda" and gpus == 0:
-        raise ConfigError("launch.device='cuda' but no CUDA GPU is visible. Use --set launch.device=cpu.")
+    if launch.backend == "nccl" and not uses_cuda:
+        raise ConfigError(
+            f"--backend nccl needs CUDA GPUs, and this run is on the CPU ({gpus} GPU(s) visible, device "
+            f"{launch.device}). Use --backend gloo (or auto)."
+        )
     if launch.cpu_bind != "none" and not cpu_bind.supported():
         raise ConfigError(
             f"--cpu-bind {launch.cpu_bind} pins workers with os.sched_setaffinity, which {sys.platform} does "
