@@ -196,14 +196,7 @@ def test_export_and_inspect(tmp_path: Path) -> None:
 def test_preflight_resume_refuses_other_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from paratrain.models import build_model
 
-    cfg = RunConfig().override(
-        [
-            "model.name=mlp",
-            "model.hidden=8",
-            "data.name=synthetic-classification",
-            f"checkpoint.dir={tmp_path}",
-        ]
-    )
+    cfg = _mlp_config(tmp_path, [])
     mgr = CheckpointManager(tmp_path, _ctx())
     model = build_model(cfg.model, (32,), 10)
     mgr.save(1, model, torch.optim.AdamW(model.parameters()), {})
@@ -341,17 +334,23 @@ def test_commit_manifest_lists_every_file(tmp_path: Path) -> None:
     assert set(files) == on_disk and ".metadata" in files and "rng/rank_00000.pt" in files
 
 
-def test_preflight_resume_refuses_another_optimizer(tmp_path: Path) -> None:
-    from paratrain.models import build_model
-
-    cfg = RunConfig().override(
+def _mlp_config(tmp_path: Path, overrides: list[str]) -> RunConfig:
+    """A tiny mlp run on synthetic data that checkpoints into ``tmp_path``."""
+    return RunConfig().override(
         [
             "model.name=mlp",
             "model.hidden=8",
             "data.name=synthetic-classification",
             f"checkpoint.dir={tmp_path}",
+            *overrides,
         ]
     )
+
+
+def test_preflight_resume_refuses_another_optimizer(tmp_path: Path) -> None:
+    from paratrain.models import build_model
+
+    cfg = _mlp_config(tmp_path, [])
     model = build_model(cfg.model, (32,), 10)
     CheckpointManager(tmp_path, _ctx()).save(
         1, model, torch.optim.AdamW(model.parameters()), {"config": {"optimizer": {"name": "adamw"}}}
@@ -368,15 +367,7 @@ def _saved_by_a_run(tmp_path: Path, overrides: list[str]) -> RunConfig:
     from paratrain.models import build_model
     from paratrain.train.trainer import build_optimizer, build_scheduler
 
-    cfg = RunConfig().override(
-        [
-            "model.name=mlp",
-            "model.hidden=8",
-            "data.name=synthetic-classification",
-            f"checkpoint.dir={tmp_path}",
-            *overrides,
-        ]
-    )
+    cfg = _mlp_config(tmp_path, overrides)
     model = build_model(cfg.model, (32,), 10)
     opt = build_optimizer(model, cfg)
     sched = build_scheduler(opt, cfg, 10)
@@ -423,14 +414,7 @@ def test_preflight_resume_refuses_another_training_set_size(tmp_path: Path) -> N
     from paratrain.data import DistributedBatchSampler, build_dataset
     from paratrain.models import build_model
 
-    cfg = RunConfig().override(
-        [
-            "model.name=mlp",
-            "model.hidden=8",
-            "data.name=synthetic-classification",
-            f"checkpoint.dir={tmp_path}",
-        ]
-    )
+    cfg = _mlp_config(tmp_path, [])
     data = build_dataset(cfg.data)
     sampler = DistributedBatchSampler(len(data.train), 16, 0, 1, seed=0, shuffle=True)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
