@@ -81,9 +81,7 @@ def choose_backend(backend: str = "auto", device: str = "auto") -> tuple[str, st
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     if device == "cuda" and not cuda_available():
-        raise RuntimeError(
-            "device 'cuda' was requested but no CUDA GPU is visible. Use --device cpu."
-        )
+        raise RuntimeError("device 'cuda' was requested but no CUDA GPU is visible. Use --device cpu.")
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":

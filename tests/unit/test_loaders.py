@@ -123,7 +123,9 @@ def test_mnist_damaged_files_are_one_config_error(tmp_path: Path) -> None:
         build_dataset(DataConfig(name=f"mnist:{bad_gz}"))
     with pytest.raises(ConfigError, match="hold 0 images"):
         build_dataset(DataConfig(name=f"mnist:{_mnist_dir(tmp_path / 'zero', n=0)}"))
-    with pytest.raises(ConfigError, match=r"t10k images are \(14, 14\) but the training images are \(28, 28\)"):
+    with pytest.raises(
+        ConfigError, match=r"t10k images are \(14, 14\) but the training images are \(28, 28\)"
+    ):
         build_dataset(DataConfig(name=f"mnist:{_mnist_dir(tmp_path / 'hw', test_hw=14)}"))
     with pytest.raises(ConfigError, match="holds label 200"):
         build_dataset(DataConfig(name=f"mnist:{_mnist_dir(tmp_path / 'label', label=200)}"))

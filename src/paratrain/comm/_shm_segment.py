@@ -17,6 +17,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Self
@@ -91,6 +92,8 @@ _STEP = {_ARRIVE: "input", _REDUCED: "reduced chunk", _DONE: "final copy"}
 
 _INSTANCES: dict[str, int] = {}
 """Per group name, how many communicators this process has created (keys of the creation handshake)."""
+_MAPPED: weakref.WeakSet[_Segment] = weakref.WeakSet()
+"""Every communicator of this process with a mapped segment (:func:`transport_storages`)."""
 
 
 class _Segment:
@@ -249,6 +252,7 @@ class _Segment:
         line = self._lines[r]
         line[_PID], line[_START], line[_STATUS] = os.getpid(), _start_time(os.getpid()) or 0, _OK
         self._futex = _FUTEX if self._use_futex else None
+        _MAPPED.add(self)
         self._probe_direct(store, direct)
 
     def _probe_direct(self, store: Any, wanted: bool) -> None:
@@ -342,7 +346,9 @@ class _Segment:
             self._lock.release()
 
     def _unmap(self) -> None:
+        _MAPPED.discard(self)
         self._typed.clear()
+        self._scratch.clear()
         self._u8 = torch.empty(0, dtype=torch.uint8)
         self._lines = np.zeros((self.size, _LINE_WORDS), dtype=np.int64)
         self._head = np.zeros(_HEAD_WORDS, dtype=np.int64)
@@ -582,6 +588,21 @@ class _Segment:
 
     def _arena(self, j: int) -> int:
         return self._arena_off + j * self.arena_bytes
+
+
+def transport_storages() -> list[tuple[torch.Tensor, int]]:
+    """The memory this process's shared-memory communicators hold, for a step's memory measurement
+    (``paratrain.train.memory``): one ``(tensor, bytes that are this rank's tensors)`` pair per storage.
+    Each segment is a whole mapping of ``/dev/shm``, every rank's slots and arenas; of it only the arena
+    tensors this rank handed out with :meth:`_Segment.allocate` (``dp``'s zero-copy gradient buckets) are
+    this rank's data. The rest, and the direct path's private scratch rows, are transport buffers made once
+    and reused, like the backend's own, so they count 0."""
+    out: list[tuple[torch.Tensor, int]] = []
+    for seg in list(_MAPPED):
+        if seg._mm is not None and seg._u8.numel():
+            out.append((seg._u8, seg.arena_used))
+        out.extend((t, 0) for t in seg._scratch.values())
+    return out
 
 
 class _Mismatch(Exception):

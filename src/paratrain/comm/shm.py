@@ -156,6 +156,7 @@ from paratrain.comm._shm_segment import (
     IN_PLACE_BLOCK_BYTES,
     SMALL_BYTES,
     _Segment,
+    transport_storages,
 )
 from paratrain.comm._shm_sys import SEGMENT_PREFIX
 from paratrain.comm.shm_hier import (
@@ -186,6 +187,7 @@ __all__ = [
     "normalize_op",
     "reduce",
     "reduce_scatter",
+    "transport_storages",
 ]
 
 

@@ -10,6 +10,13 @@ and records the peak of their sum per device. It runs on CPU and GPU alike.
 What it cannot see: storage allocated outside the dispatcher before the step, such as torch DDP's C++
 gradient buckets and ``dp``'s persistent bucket buffers (allocated once, at wrap time). Those are reported
 separately by their strategies where known, and are named in docs/train.md.
+
+What it must not count: ``--comm-algorithm shm``'s shared-memory segment. A collective slices views of
+the segment inside the step, and the tracker would count the whole mapping, every rank's slots and arenas
+(about 50 MB on 2 ranks), as this rank's new memory at the first view. The segment's storage is registered
+before the step with the bytes that are this rank's own tensors (``dp``'s zero-copy gradient buckets, so
+that its gradients count as ``native``'s do) and the rest, transport buffers made once at wrap time like
+the backend's own, counts 0 (:func:`paratrain.comm.shm.transport_storages`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from paratrain.comm.shm import transport_storages
 
 T = TypeVar("T")
 
@@ -50,6 +59,7 @@ def measure_peak(
             category=UserWarning,
         )
         try:
+            _register_transport(tracker)
             tracker.track_external(*externals)
             entered = tracker.__enter__()
         except Exception as e:  # a model the tracker cannot register: train on, report no figure
@@ -67,6 +77,25 @@ def measure_peak(
     if not totals and per_device:
         totals = [int(max(v.get("Total", 0) for v in peak.values()))]
     return result, (max(totals) if totals else None)
+
+
+def _register_transport(tracker: Any) -> None:
+    """Register each shared-memory transport storage with the tracker before anything else sees it,
+    counted as only the bytes that are this rank's tensors, so that views made of it during the step are
+    not counted again as the whole mapping. (The tracker keys its records by storage; a view of a known
+    storage adds nothing. ``track_external`` of the model then files gradients that live in the segment
+    under gradients, with this size.)"""
+    from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType, _WeakRefInfo
+
+    for tensor, counted in transport_storages():
+        st = tensor.untyped_storage()
+        if st in tracker._WINFO:
+            continue
+        winfo, ref = _WeakRefInfo.create_winfo(st, tensor.device, _MemRefType.OTH, tracker._delete_callback)
+        winfo.mem_consumed = counted  # ``size`` stays the storage's, so the tracker sees no resize
+        tracker._WINFO[st] = (winfo, ref)
+        if counted > 0:
+            tracker._update_snap(_UpdateType.ADD, winfo)
 
 
 def _step_tracker(by_module: bool = True) -> Any:
