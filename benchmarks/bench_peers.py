@@ -24,8 +24,9 @@ step time, and "vs torch-ddp" is the median of the per-round ratios (so a slow p
 all runners alike). Peak memory: torch's ``MemTracker`` around one more step of each runner: the live
 tensor bytes it sees (parameters, gradients, optimizer state, activations, temporaries). It does not see
 storage allocated outside the dispatcher before the step (torch DDP's C++ gradient buckets, 4Ψ = 25.3 MB,
-and ``dp``'s bucket buffers); for ``shm`` runners it counts the whole mapped segment, which the ranks of
-the host share.
+and ``dp``'s bucket buffers). For ``shm`` runners the mapped segment counts as training counts it
+(``paratrain.train.memory.register_transport``): only ``dp``'s zero-copy gradients that live in it; the
+slots are transport, like Gloo's buffers.
 
     python benchmarks/bench_peers.py                         # 2 ranks, every runner (a few minutes)
     python benchmarks/bench_peers.py --scaling 1,2,4         # plus the scaling table (a subset of runners)
@@ -195,7 +196,10 @@ def _peak_bytes(step: Step, model: Any, opt: Any) -> int | None:
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
 
+        from paratrain.train.memory import register_transport
+
         tracker = MemTracker()
+        register_transport(tracker)  # the shm segment counts only this rank's gradients, as in training
         externals = [m for m in (model,) if isinstance(m, torch.nn.Module)]
         externals += [o for o in (opt, getattr(opt, "optim", None)) if isinstance(o, torch.optim.Optimizer)]
         tracker.track_external(*externals)
@@ -216,7 +220,7 @@ def worker(args: argparse.Namespace) -> None:
     ctx = init(seed=0)
     torch.set_num_threads(1)
     names = [n for n in args.runners.split(",") if n]
-    run_dir = tempfile.mkdtemp(prefix="bench-peers-")
+    run_dir = str(Path(args.out).parent / "paratrain-runs")  # the driver's temporary directory, every rank's
     steps: dict[str, Step] = {}
     errors: dict[str, str] = {}
     built: dict[str, tuple[Any, Any]] = {}

@@ -59,7 +59,7 @@ def measure_peak(
             category=UserWarning,
         )
         try:
-            _register_transport(tracker)
+            register_transport(tracker)
             tracker.track_external(*externals)
             entered = tracker.__enter__()
         except Exception as e:  # a model the tracker cannot register: train on, report no figure
@@ -79,7 +79,7 @@ def measure_peak(
     return result, (max(totals) if totals else None)
 
 
-def _register_transport(tracker: Any) -> None:
+def register_transport(tracker: Any) -> None:
     """Register each shared-memory transport storage with the tracker before anything else sees it,
     counted as only the bytes that are this rank's tensors, so that views made of it during the step are
     not counted again as the whole mapping. (The tracker keys its records by storage; a view of a known
