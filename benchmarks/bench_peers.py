@@ -190,7 +190,7 @@ def _build(name: str, args: argparse.Namespace, ctx: Any, run_dir: str) -> tuple
 _registered: set[str] = set()
 
 
-def _peak_bytes(step: Step, model: Any, opt: Any) -> int | None:
+def _peak_bytes(name: str, step: Step, model: Any, opt: Any) -> int | None:
     import torch
 
     try:
@@ -199,7 +199,9 @@ def _peak_bytes(step: Step, model: Any, opt: Any) -> int | None:
         from paratrain.train.memory import register_transport
 
         tracker = MemTracker()
-        register_transport(tracker)  # the shm segment counts only this rank's gradients, as in training
+        # The shm segments count only this rank's zero-copy gradients, as in training, and only for the runner
+        # whose gradients they are (every runner's segments are mapped in these processes).
+        register_transport(tracker, owned=name == "paratrain-dp+shm")
         externals = [m for m in (model,) if isinstance(m, torch.nn.Module)]
         externals += [o for o in (opt, getattr(opt, "optim", None)) if isinstance(o, torch.optim.Optimizer)]
         tracker.track_external(*externals)
@@ -258,7 +260,7 @@ def worker(args: argparse.Namespace) -> None:
             cpu[name].append((time.process_time() - c0) / args.steps)
     table = torch.tensor([wall[n] for n in order], dtype=torch.float64)
     cpu_t = torch.tensor([cpu[n] for n in order], dtype=torch.float64)
-    peaks = torch.tensor([_peak_bytes(steps[n], *built[n]) or -1 for n in order], dtype=torch.float64)
+    peaks = torch.tensor([_peak_bytes(n, steps[n], *built[n]) or -1 for n in order], dtype=torch.float64)
     if ctx.world_size > 1:
         dist.all_reduce(table, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank does
         dist.all_reduce(cpu_t)  # CPU seconds summed over ranks

@@ -79,15 +79,19 @@ def measure_peak(
     return result, (max(totals) if totals else None)
 
 
-def register_transport(tracker: Any) -> None:
+def register_transport(tracker: Any, owned: bool = True) -> None:
     """Register each shared-memory transport storage with the tracker before anything else sees it,
     counted as only the bytes that are this rank's tensors, so that views made of it during the step are
     not counted again as the whole mapping. (The tracker keys its records by storage; a view of a known
     storage adds nothing. ``track_external`` of the model then files gradients that live in the segment
-    under gradients, with this size.)"""
+    under gradients, with this size.)
+
+    ``owned=False``: the tensors in the segments belong to another model of the process (a benchmark that
+    builds several side by side), so nothing of them is counted for the one measured."""
     from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType, _WeakRefInfo
 
-    for tensor, counted in transport_storages():
+    for tensor, mine in transport_storages():
+        counted = mine if owned else 0
         st = tensor.untyped_storage()
         if st in tracker._WINFO:
             continue
