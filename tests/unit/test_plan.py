@@ -581,3 +581,61 @@ def test_plan_treats_an_explicit_degree_of_1_as_train_does() -> None:
     got = predict_run([*base, "4", "--strategy", "fsdp+tp", "--pp", "1"])
     train = get_strategy("fsdp+tp").topology_for(4, StrategyConfig(name="fsdp+tp", pp=1)).degrees()
     assert got["layout"] == {k: train[k] for k in got["layout"]} and train["tp"] == 2
+
+
+# (strategy, plan/train flags, the StrategyConfig fields train gets from them): each is refused by train before launch
+_REFUSED_BY_TRAIN = [
+    ("ddp", ["--tp", "2"], {"tp": 2}),
+    ("zero2", ["--pp", "2"], {"pp": 2}),
+    ("fsdp", ["--tp", "2"], {"tp": 2}),
+    ("tp", ["--pp", "2"], {"pp": 2}),  # plan used to accept these three: a tp x pp layout named tp
+    ("pp", ["--tp", "2"], {"tp": 2}),
+    ("fsdp+tp", ["--pp", "2"], {"pp": 2}),
+    ("tp", ["--dp-shard", "2"], {"dp_shard": 2}),
+    # the pipeline and tp flags: plan ignored them before
+    ("ddp", ["--microbatches", "2"], {"microbatches": 2}),
+    ("zero2", ["--pp-schedule", "gpipe"], {"pp_schedule": "gpipe"}),
+    ("fsdp", ["--no-sequence-parallel"], {"sequence_parallel": False}),
+    ("hsdp", ["--loss-parallel"], {"loss_parallel": True}),
+    ("fsdp+tp", ["--microbatches", "4"], {"microbatches": 4}),
+    ("pp", ["--loss-parallel"], {"loss_parallel": True}),
+    ("fsdp+pp", ["--no-sequence-parallel"], {"sequence_parallel": False}),
+    ("pp", ["--microbatches", "2"], {"microbatches": 2}),  # 1f1b with fewer micro-batches than the 4 stages
+    ("fsdp+tp", ["--offload"], {"offload": True}),
+    ("ddp", ["--dp-shard", "2"], {"dp_shard": 2}),
+    ("single", [], {}),
+]
+
+
+@pytest.mark.parametrize(("strategy", "flags", "fields"), _REFUSED_BY_TRAIN)
+def test_plan_refuses_what_train_refuses_with_trains_message(
+    strategy: str, flags: list[str], fields: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag of an axis the strategy does not have (or a degree it cannot run) is refused by ``paratrain plan``
+    exactly as ``paratrain train`` refuses it before launch: exit 2, the same message."""
+    from paratrain.cli import main
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import check_strategy, get_strategy
+
+    with pytest.raises(ConfigError) as trained:
+        check_strategy(get_strategy(strategy), 4, StrategyConfig(name=strategy, **fields))  # type: ignore[arg-type]
+    argv = ["plan", "--model", "llama-debug", "--cluster", "cpu-local", "--nproc-per-node", "4", "--strategy",
+            strategy, "--batch-size", "16", "--seq-len", "32", *flags, "--json"]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"paratrain plan: error: {trained.value}"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "flags"),
+    [
+        ("pp", ["--microbatches", "4", "--pp-schedule", "gpipe"]),
+        ("fsdp+tp", ["--no-sequence-parallel", "--loss-parallel"]),
+        ("fsdp+tp+pp", ["--microbatches", "4", "--loss-parallel"]),
+        ("zero3", ["--offload"]),
+        ("ddp", ["--tp", "1", "--pp", "1"]),
+    ],
+)
+def test_plan_keeps_the_flags_of_the_strategys_own_axes(strategy: str, flags: list[str]) -> None:
+    got = run_json("--model", "llama-debug", "--cluster", "cpu-local", "--nproc-per-node", "4", "--strategy",
+                   strategy, "--batch-size", "16", "--seq-len", "32", *flags)  # fmt: skip
+    assert [p["strategy"] for p in got["plans"]] == [strategy]

@@ -302,14 +302,17 @@ def plan(
     """The plan of one strategy / layout (``strategy`` or any degree given), else of :func:`default_layouts`.
 
     Raises :class:`ConfigError` for degrees that do not multiply to ``cluster.gpus``, a tp that does not
-    divide the heads, a batch that does not split, an unknown strategy.
+    divide the heads, a batch that does not split, an unknown strategy, and whatever ``paratrain train`` refuses
+    for the named strategy before launch (with train's message: a tensor- or pipeline-parallel flag of a
+    strategy without that axis, ``--offload`` outside zero3/hsdp, ...).
     """
     w = workload or Workload()
-    if w.offload and strategy is not None and lay.canonical(strategy).sharding != "full":
-        raise ConfigError(f"--offload needs an FSDP strategy (zero3, hsdp, fsdp+...), not {strategy!r}.")
     if strategy is not None or any(v is not None for v in (tp, pp, dp_shard, dp_replicate)):
+        options = {"microbatches": w.microbatches, "pp_schedule": w.pp_schedule, "offload": w.offload,
+                   "sequence_parallel": w.sequence_parallel, "loss_parallel": w.loss_parallel}  # fmt: skip
         chosen = [lay.resolve(strategy, cluster.gpus, shape=spec.shape, gpus_per_node=cluster.gpus_per_node, tp=tp,
-                              pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate, model=spec.name)]  # fmt: skip
+                              pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate, model=spec.name,
+                              options=options)]  # fmt: skip
     else:
         chosen = default_layouts(spec, cluster)
         if w.offload:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from paratrain.errors import ConfigError, suggest
 from paratrain.plan.model import TransformerShape
@@ -146,20 +147,24 @@ def _train_defaults(
     name: str, gpus: int, tp: int | None, pp: int | None, dp_shard: int | None, dp_replicate: int | None
 ) -> tuple[int, int]:
     """The tp and pp ``paratrain train`` picks for this preset on ``gpus`` ranks (the preset's own rule,
-    :meth:`paratrain.parallel.tensor.ModelParallel.topology_for`), given degrees kept (``None``: not given).
-    A preset whose own axis comes out at degree 1 (``--tp 1`` given, or a default that does not divide) is
-    refused with train's message (:meth:`~paratrain.parallel.tensor.ModelParallel.check_own_axes`)."""
+    :meth:`paratrain.parallel.tensor.ModelParallel.topology_for`), given degrees kept (``None``: not given)."""
     from paratrain.config import StrategyConfig
     from paratrain.parallel import get_strategy
 
     config = StrategyConfig(name=name, tp=tp, pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate)
-    cls = get_strategy(name)
-    try:
-        topo = cls.topology_for(gpus, config)
-    except ConfigError:
-        return tp or 1, pp or 1  # the checks below name what does not divide
-    cls.check_own_axes(topo, config)  # type: ignore[attr-defined]  # the model-parallel presets have it
+    topo = get_strategy(name).topology_for(gpus, config)
     return topo.tp, topo.pp
+
+
+def check_as_train(name: str, gpus: int, **options: Any) -> None:
+    """Refuse what ``paratrain train --strategy NAME`` on ``gpus`` ranks refuses before launch, with train's
+    message: train's own check (:func:`paratrain.parallel.check_strategy`) on the degrees and ``options``
+    (:class:`~paratrain.config.StrategyConfig` fields: the tensor- and pipeline-parallel flags a strategy
+    without that axis refuses, ``--offload``, a preset's own axis at degree 1, ...)."""
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import check_strategy, get_strategy
+
+    check_strategy(get_strategy(name), gpus, StrategyConfig(name=name, **options))
 
 
 def resolve(
@@ -173,8 +178,13 @@ def resolve(
     dp_shard: int | None = None,
     dp_replicate: int | None = None,
     model: str = "the model",
+    options: dict[str, Any] | None = None,
 ) -> tuple[str, str, Layout]:
     """``(strategy name, sharding, layout)`` from ``--strategy`` and the degree flags, validated.
+
+    A named strategy is first checked as ``paratrain train`` checks it (:func:`check_as_train`), with
+    ``options``: the :class:`~paratrain.config.StrategyConfig` fields of the workload (``microbatches``,
+    ``pp_schedule``, ``sequence_parallel``, ``loss_parallel``, ``offload``).
 
     Degrees not given default the way ``paratrain train`` does (the preset's own rule: ``tp`` and ``pp`` take
     every rank, ``fsdp+tp``/``fsdp+pp``/``fsdp+tp+pp`` take 2 for their axes); the data-parallel degree is
@@ -185,21 +195,11 @@ def resolve(
             raise ConfigError(f"{flag} must be at least 1, got {v}.")
     info = canonical(strategy) if strategy else None
     name = info.name if info else None
-    if name in ("single", "ddp", "dp", "zero1", "zero2", "zero3") and ((tp or 1) > 1 or (pp or 1) > 1):
-        raise ConfigError(
-            f"--strategy {strategy} is data parallel only; with --tp/--pp use fsdp+tp, fsdp+pp or fsdp+tp+pp."
-        )
-    if name == "single" and gpus != 1:
-        raise ConfigError(
-            f"--strategy single runs on one GPU, not {gpus}; choose ddp, zero1, zero2 or zero3."
-        )
+    if name is not None:  # what train refuses before launch, plan refuses with the same message
+        degrees = {"tp": tp, "pp": pp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}
+        check_as_train(name, gpus, **degrees, **(options or {}))
     if name in ("tp", "fsdp+tp", "fsdp+tp+pp", "pp", "fsdp+pp"):
         tp, pp = _train_defaults(name, gpus, tp, pp, dp_shard, dp_replicate)
-        if name in ("tp", "fsdp+tp", "fsdp+tp+pp") and tp <= 1:
-            raise ConfigError(
-                f"--strategy {name}: no tp degree > 1 divides {gpus} GPUs; give --tp (it must divide the "
-                f"heads of {model})."
-            )
     tp, pp = tp or 1, pp or 1
     if dp_shard is None or dp_replicate is None:  # one data-parallel degree is inferred: the rest must divide
         given = {"tp": tp, "pp": pp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}
@@ -223,10 +223,6 @@ def resolve(
     check(layout, gpus, shape, model)
     if name is None:
         name = name_for(layout)
-    if name in ("ddp", "dp") and layout.dp_shard > 1:
-        raise ConfigError(
-            f"--strategy {name} replicates; drop --dp-shard {layout.dp_shard} or use hsdp/zero3."
-        )
     if name in ("zero1", "zero2", "zero3") and layout.dp_replicate > 1:
         raise ConfigError(
             f"--strategy {name} shards over all ranks; for replicas x shards use --strategy hsdp."
