@@ -36,6 +36,8 @@ def test_one_round_of_the_paratrain_runners_beside_torch_ddp(tmp_path: Path) -> 
     # Parameters, momentum and gradients are 3 x 25.3 MB on every runner. dp+shm's gradients are its
     # buckets in the segment: counting the whole mapped segment (slots and both arenas) added ~76 MB.
     psi_mb = 4 * result["workload"]["params"] / 1e6
-    assert 3 * psi_mb <= rows["paratrain-dp+shm"]["peak_MB"] <= rows["paratrain-ddp"]["peak_MB"] + 0.1 * psi_mb
+    assert (
+        3 * psi_mb <= rows["paratrain-dp+shm"]["peak_MB"] <= rows["paratrain-ddp"]["peak_MB"] + 0.1 * psi_mb
+    )
     # the dp+shm runner's gradients, mapped in the same processes, are not torch DDP's (they once added 4Ψ)
     assert abs(rows["torch-ddp"]["peak_MB"] - rows["paratrain-ddp"]["peak_MB"]) < 0.5 * psi_mb, rows
