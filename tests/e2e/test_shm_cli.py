@@ -39,6 +39,9 @@ def test_killed_rank_in_dp_shm_run_fails_the_others_naming_it_and_leaves_no_segm
     assert "rank 1 kills itself (SIGKILL) at step 2" in proc.stderr
     # the survivor's shm wait noticed the dead peer (liveness check, not the timeout) and named it
     assert "rank 1 (pid" in proc.stderr and "died while the others waited" in proc.stderr, proc.stderr
+    # the killed rank is the launcher's headline, not the survivor that noticed it (as with the native backend)
+    assert "paratrain train: rank 1 died (killed by signal SIGKILL)" in proc.stderr, proc.stderr
+    assert "rank 0 then failed: RuntimeError: shm " in proc.stderr and "stopped after it" not in proc.stderr
     assert elapsed < 120
     assert [n for n in os.listdir("/dev/shm") if job in n] == []
 

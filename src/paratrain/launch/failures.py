@@ -65,7 +65,13 @@ def read_failures(err: Any) -> list[RankFailure]:
 
 
 def _noticed_a_dead_peer(f: RankFailure) -> bool:
-    return f.message.startswith("PeerLostError") or "stopped responding" in f.message
+    # the shared-memory transport's liveness check (comm/_shm_segment.py, _check_peers) names the dead peer in
+    # its own words, maybe wrapped by torch DDP's comm-hook future ("Unable to cast ... to Tensor")
+    return (
+        f.message.startswith("PeerLostError")
+        or "stopped responding" in f.message
+        or "died while the others waited" in f.message
+    )
 
 
 def _root_cause_order(f: RankFailure) -> tuple[int, float, int]:
