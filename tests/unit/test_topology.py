@@ -134,3 +134,17 @@ def test_model_parallel_flags_are_accepted_where_they_apply() -> None:
     check_strategy(get_strategy("fsdp+tp+pp"), 4, _cfg(name="fsdp+tp+pp", loss_parallel=True, microbatches=2,
                                                        pp_schedule="gpipe", sequence_parallel=False))  # fmt: skip
     check_strategy(get_strategy("fsdp+tp"), 2, _cfg(name="fsdp+tp", loss_parallel=True))
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("kw", [{"dp_replicate": 2}, {"dp_shard": 2}])
+def test_zero_stages_refuse_a_replicate_axis_they_would_never_average(name: str, kw: dict[str, int]) -> None:
+    """zero1/2/3 synchronise over ``dp_shard`` only: with 2 replicas of 2 on 4 ranks each replica trained on
+    its own data and the run silently differed from zero2 on 4 ranks (hsdp is the hybrid form)."""
+    flag = "--dp-replicate 2" if "dp_replicate" in kw else "--dp-shard 2"
+    with pytest.raises(ConfigError, match=rf"shards over all 4 data-parallel ranks, but {flag} splits them into 2 "
+                       r"replicas of 2.*--strategy hsdp --dp-replicate 2"):  # fmt: skip
+        check_strategy(get_strategy(name), 4, _cfg(name=name, **kw))
+    # the degrees they have anyway are accepted, and hsdp takes the hybrid layout
+    check_strategy(get_strategy(name), 4, _cfg(name=name, dp_replicate=1, dp_shard=4))
+    check_strategy(get_strategy("hsdp"), 4, _cfg(name="hsdp", **kw))

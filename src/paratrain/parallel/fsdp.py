@@ -131,6 +131,7 @@ class _FullyShard(Strategy):
 @register_strategy("zero3", aliases=("fsdp",))
 class Zero3(_FullyShard):
     description = "ZeRO-3 / FSDP2: parameters, gradients and optimizer state sharded (fully_shard per block)"
+    shard_axis_only = True
 
 
 @register_strategy("hsdp")

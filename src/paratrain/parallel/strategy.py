@@ -57,6 +57,9 @@ class Strategy:
     """After backward every data-parallel rank holds the same whole gradients (``ddp``, ``dp``): the
     non-finite check then reads only this rank's 1/``dp_size`` share of each, and the ranks combine their
     verdicts (``paratrain.train.nonfinite``)."""
+    shard_axis_only: ClassVar[bool] = False
+    """Every data-parallel rank is on the shard axis: the strategy synchronises over ``dp_shard`` alone
+    (zero1, zero2, zero3), so a ``dp_replicate`` above 1 is refused (its replicas would never be averaged)."""
     required_axes: ClassVar[tuple[str, ...]] = ()
     """Mesh axes this strategy needs even at degree 1 (FSDP2 always shards over ``dp_shard``)."""
     comm_algorithms: ClassVar[tuple[str, ...]] = ("native",)
@@ -143,6 +146,19 @@ class Strategy:
             raise ConfigError(
                 f"strategy {cls.name!r} is data parallel only, but --tp {topology.tp} --pp {topology.pp} were "
                 "given. Use --strategy tp, fsdp+tp, pp, fsdp+pp or fsdp+tp+pp for model parallelism."
+            )
+        if cls.shard_axis_only and topology.dp_replicate > 1:
+            given = (
+                f"--dp-replicate {config.dp_replicate}"
+                if config.dp_replicate is not None
+                else f"--dp-shard {config.dp_shard}"
+            )
+            raise ConfigError(
+                f"strategy {cls.name!r} shards over all {topology.dp_size} data-parallel ranks, but {given} "
+                f"splits them into {topology.dp_replicate} replicas of {topology.dp_shard}, which {cls.name} "
+                "would never average (each replica would train on its own data). Leave out --dp-replicate/"
+                "--dp-shard, or, to shard within groups and replicate across them, use --strategy hsdp "
+                f"--dp-replicate {topology.dp_replicate}."
             )
         if topology.dp_shard > 1 and cls.dp_degrees(topology.dp_size, config)[1] == 1:
             raise ConfigError(

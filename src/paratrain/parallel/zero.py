@@ -303,6 +303,7 @@ class _ZeroStage(Strategy):
     """Shared by ``zero1`` and ``zero2``: replicated parameters, :class:`ShardedOptimizer`."""
 
     shard_gradients = False
+    shard_axis_only = True
     comm_algorithms = ("native", "shm")
     comm_algorithms_help = (
         "'native': the backend's reduce-scatter and all-gather; 'shm': through shared memory"
