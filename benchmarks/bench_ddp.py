@@ -184,7 +184,7 @@ def _phase_split(loops: dict[str, Any], steps: int, sync: Callable[[], None]) ->
     return out
 
 
-def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool) -> dict[str, Any]:
+def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool, run_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from paratrain.runtime import device_synchronizer, init
@@ -193,20 +193,19 @@ def _bench_rank(args: argparse.Namespace, names: list[str], with_split: bool) ->
     _register_dataset()
     ctx = init(seed=0)
     sync = device_synchronizer(ctx.device)
-    with tempfile.TemporaryDirectory(prefix="bench-ddp-") as tmp:
-        loops = _loops(args, names, tmp)
-        for fn, _ in loops.values():  # warm-up: allocator, DDP bucket rebuild, first-touch
-            for _ in range(args.warmup):
-                fn()
-        times: dict[str, list[float]] = {n: [] for n in names}
-        cpu: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for n in order:
-                wall, c = _timed(loops[n][0], args.steps, sync)
-                times[n].append(wall)
-                cpu[n].append(c)
-        split = _phase_split(loops, args.split_steps, sync) if with_split else {}
+    loops = _loops(args, names, run_dir)  # the driver's temporary directory: the ranks share their run dir
+    for fn, _ in loops.values():  # warm-up: allocator, DDP bucket rebuild, first-touch
+        for _ in range(args.warmup):
+            fn()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            wall, c = _timed(loops[n][0], args.steps, sync)
+            times[n].append(wall)
+            cpu[n].append(c)
+    split = _phase_split(loops, args.split_steps, sync) if with_split else {}
     # Per-block times, max over ranks (a step is as slow as its slowest rank), then per-loop medians and the
     # median of *paired* ratios: blocks of one round ran back to back, so drifting machine load cancels.
     t = torch.tensor([times[n] for n in names], dtype=torch.float64)
@@ -256,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # "plain/2" is a second, identical plain loop: its ratio to "plain" is the noise floor of this run.
     names = ["plain", "plain/2", "ddp", "dp"] + [f"dp/{a}" for a in args.algorithms.split(",") if a]
-    side = run_distributed(_bench_rank, args.world_size, args=(args, names, True), timeout_s=1800)[0]
+    # One run directory per process group, made here: every rank of a group gets the same path (a directory
+    # per rank fails the trainer's check that the ranks share their checkpoint directory).
+    holder = tempfile.TemporaryDirectory(prefix="bench-ddp-")
+    side = run_distributed(
+        _bench_rank, args.world_size, args=(args, names, True, f"{holder.name}/side"), timeout_s=1800
+    )[0]
     plain = side["step_s"]["plain"]
     result: dict[str, Any] = {
         "command": "python benchmarks/bench_ddp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -279,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     base = None
     for n in [int(s) for s in args.scaling.split(",") if s]:
-        r = run_distributed(_bench_rank, n, args=(args, ["ddp", "dp"], False), timeout_s=1800)[0]
+        r = run_distributed(
+            _bench_rank, n, args=(args, ["ddp", "dp"], False, f"{holder.name}/scaling-{n}"), timeout_s=1800
+        )[0]
         row: dict[str, Any] = {"ranks": n}
         for name, t in r["step_s"].items():
             sps = n * args.batch / t
@@ -289,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"samples_per_s": sps, "speedup": sps / b1 if b1 else None,
                          "efficiency": sps / b1 / n if b1 else None}  # fmt: skip
         result["scaling"].append(row)
+    holder.cleanup()
     result["load_average_before"] = load_start
     result["load_average_after"] = os.getloadavg()
     result["elapsed_s"] = time.perf_counter() - t_start
