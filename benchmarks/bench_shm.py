@@ -3,10 +3,14 @@
 For 2 and 4 ranks on this host, for all_reduce, reduce_scatter and all_gather at 1 KB..256 MB (×4), every
 algorithm runs once per iteration, interleaved in an order that rotates by one every iteration (results
 stored before the rotation, the sweep ``shm.json`` and the ``*_fixed_order.json`` files, ran a fixed
-order). The algorithms: ``shm`` as shipped (the direct path above 256 KiB where the kernel allows it, the
-slots below); ``shm-slots``, the slots only; ``native``, Gloo's own collective; ``ring``, paratrain's
-pipelined ring; and for all_reduce ``shm-zero-copy``, where the tensor lives in the segment's arena and
-is reduced where it lies, as dp's gradient buckets are.
+order). The algorithms: ``shm`` as shipped (above 256 KiB, where the kernel allows the direct path, the
+path each collective and size class takes is measured on its first calls: ``comm/_shm_tune.py``; before
+the timed iterations of a size, ``shm`` makes those ``CALLS`` tuning calls, and each row records the path
+chosen as ``shm_path``); ``shm-slots``, the slots only; ``shm-direct``, the direct path at every size (where
+the kernel allows it); ``native``, Gloo's own collective; ``ring``, paratrain's pipelined ring; and for
+all_reduce ``shm-zero-copy``, where the tensor lives in the segment's arena and is reduced where it lies,
+as dp's gradient buckets are. Results stored before the tuning (``shm.json`` and the runs quoted with it
+in BENCHMARKS.md) had ``shm`` on a fixed rule: direct above 256 KiB, above 2 MiB at 4 ranks on 2 cores.
 
 Each call is timed alone (a Gloo barrier, then the call); an iteration's time is the slowest rank's; the
 figure is the median over the iterations. With ``--back-to-back K`` a sample is K calls in a row after one
@@ -59,13 +63,14 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm._shm_segment import DIRECT_BLOCK_BYTES
+from paratrain.comm._shm_tune import CALLS as TUNING_CALLS
 from paratrain.comm.cost import busbw
 from paratrain.launch.cpu_bind import allowed_cores, core_blocks
 from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-ALGORITHMS = ("shm", "shm-slots", "shm-zero-copy", "native", "ring")
+ALGORITHMS = ("shm", "shm-slots", "shm-direct", "shm-zero-copy", "native", "ring")
 
 
 def parse_sizes(text: str, factor: int) -> list[int]:
@@ -137,7 +142,13 @@ def _inputs(collective: str, nbytes: int, n: int) -> tuple[torch.Tensor, torch.T
 
 
 def _calls(
-    collective: str, algorithms: list[str], c: Any, inp: torch.Tensor, out: torch.Tensor | None, slots: Any
+    collective: str,
+    algorithms: list[str],
+    c: Any,
+    inp: torch.Tensor,
+    out: torch.Tensor | None,
+    slots: Any,
+    direct: Any,
 ) -> dict[str, Callable[[], Any]]:
     """One zero-argument call per algorithm that offers ``collective``."""
     from paratrain import comm
@@ -147,6 +158,7 @@ def _calls(
         table: dict[str, Callable[[], Any]] = {
             "shm": lambda: c.all_reduce(inp),
             "shm-slots": lambda: slots.all_reduce(inp),
+            "shm-direct": lambda: direct.all_reduce(inp),
             "native": lambda: dist.all_reduce(inp),
             "ring": lambda: comm.all_reduce(inp, "sum", "ring", check=False),
         }
@@ -159,6 +171,7 @@ def _calls(
         table = {
             "shm": lambda: c.reduce_scatter(out, inp),
             "shm-slots": lambda: slots.reduce_scatter(out, inp),
+            "shm-direct": lambda: direct.reduce_scatter(out, inp),
             "native": lambda: dist.reduce_scatter_single(out, inp),
             "ring": lambda: comm.reduce_scatter(inp, "sum", "ring", check=False),
         }
@@ -166,6 +179,7 @@ def _calls(
         table = {
             "shm": lambda: c.all_gather(out, inp),
             "shm-slots": lambda: slots.all_gather(out, inp),
+            "shm-direct": lambda: direct.all_gather(out, inp),
             "native": lambda: dist.all_gather_single(out, inp),
             "ring": lambda: comm.all_gather(inp, "ring", check=False),
         }
@@ -193,11 +207,22 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if "shm-slots" in spec["algorithms"]
         else None
     )
+    direct = (
+        shm.ShmCommunicator(capacity_bytes=spec["capacity"], direct_min_bytes=0)  # fixed: never tuned
+        if "shm-direct" in spec["algorithms"]
+        else None
+    )
     rows = []
     for collective in spec["collectives"]:
         for size in spec["sizes"]:
             inp, out = _inputs(collective, size, n)
-            calls = _calls(collective, spec["algorithms"], c, inp, out, slots)
+            calls = _calls(collective, spec["algorithms"], c, inp, out, slots, direct)
+            if direct is not None and not direct.direct:
+                calls.pop("shm-direct", None)  # the kernel refused process_vm_readv: no such path here
+            for _ in range(TUNING_CALLS):  # shm as shipped measures its path on a size's first calls
+                dist.barrier()
+                calls["shm"]()
+            path = _tuned_path(c, collective, inp if out is None or collective == "reduce_scatter" else out)
             iters = spec["iters"] if size < spec["big_bytes"] else spec["big_iters"]
             times: dict[str, list[float]] = {a: [] for a in calls}
             cpu: dict[str, list[float]] = {a: [] for a in calls}
@@ -228,11 +253,24 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     "time_s": t, "min_s": min(per_iter), "max_s": max(per_iter), "iters": len(per_iter),
                     "busbw_GBps": busbw(collective, n, nbytes, t) / 1e9,
                     "cpu_s_all_ranks": statistics.median(per_cpu), "calls_per_sample": k,
+                    **({"shm_path": path} if alg == "shm" else {}),
                 })  # fmt: skip
-    c.close()
-    if slots is not None:
-        slots.close()
+    for comm in (c, slots, direct):
+        if comm is not None:
+            comm.close()
     return rows
+
+
+def _tuned_path(c: Any, collective: str, t: torch.Tensor) -> str:
+    """The path ``shm`` (as shipped) takes for ``t`` in ``collective`` after its tuning calls."""
+    nbytes = t.numel() * t.element_size()
+    if not c.direct:
+        return "slots (no direct path here)"
+    if c._tuner is None or nbytes <= c._tuner.min_bytes:
+        return "slots (below the tuned sizes)"
+    classes = c.tuned_paths().get(collective, {})
+    same = [p for low, p in classes.items() if c._tuner.size_class(low) == c._tuner.size_class(nbytes)]
+    return same[0] if same else "undecided"
 
 
 def shm_limit(membw: dict[str, float], n: int, cores: int) -> float:
@@ -268,21 +306,26 @@ def tables(result: dict[str, Any]) -> str:
                 continue
             algs = list(dict.fromkeys(r["algorithm"] for r in rows))
             by = {(r["algorithm"], r["bytes"]): r for r in rows}
-            head = "| S | " + " | ".join(f"{a} ms (busbw GB/s)" for a in algs) + " | shm / native busbw |"
+            head = (
+                "| S | "
+                + " | ".join(f"{a} ms (busbw GB/s)" for a in algs)
+                + " | shm / native busbw | shm path |"
+            )
             lines = [
                 f"### {collective}, {n} ranks on {cores} cores"
                 + (f", run {run + 1}" if len(runs) > 1 else "")
                 + (", pinned (--cpu-bind cores)" if bind else ""),
                 "",
                 head,
-                "|" + "---|" * (len(algs) + 2),
+                "|" + "---|" * (len(algs) + 3),
             ]
             for s in sorted({r["bytes"] for r in rows}):
                 cells = [f"{by[a, s]['time_s'] * 1e3:.3f} ({by[a, s]['busbw_GBps']:.2f})" for a in algs]
                 ratio = (
                     by["shm", s]["busbw_GBps"] / by["native", s]["busbw_GBps"] if ("native", s) in by else 0
                 )
-                lines.append(f"| {fmt(s)} | " + " | ".join(cells) + f" | **{ratio:.2f}x** |")
+                path = by["shm", s].get("shm_path", "-")
+                lines.append(f"| {fmt(s)} | " + " | ".join(cells) + f" | **{ratio:.2f}x** | {path} |")
             if collective == "all_reduce":
                 lines.append(
                     f"\nmemory-bandwidth limits (model), busbw: through the slots {limit:.2f} GB/s, direct "
@@ -300,7 +343,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     colls = result["collectives"]
     colors = dict(
-        zip(ALGORITHMS, ("tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:green"), strict=True)
+        zip(
+            ALGORITHMS,
+            ("tab:blue", "tab:purple", "tab:red", "tab:cyan", "tab:orange", "tab:green"),
+            strict=True,
+        )
     )
     fig, axes = plt.subplots(1, len(colls), figsize=(6 * len(colls), 4.4), squeeze=False)
     for ax, collective in zip(axes[0], colls, strict=True):

@@ -10,6 +10,8 @@ under the torch elastic agent. Each rank:
    hit all algorithms alike and the ratios between them stay fair, in an order that rotates by one every
    iteration, so each algorithm runs in every position equally often (in a fixed order one algorithm
    always runs right after another's call, and its position cannot be told apart from its speed);
+   ``shm`` first makes the calls in which it measures its own path for the size (``comm/_shm_tune.py``),
+   so that the timed ones take the path it settled on;
 3. times each call alone: barrier, start, call, wait (CUDA events on the current stream on a GPU, a
    host clock on CPU), and takes, per iteration, the slowest rank's time (a collective is done when
    its last rank is), then the median over iterations.
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.comm._common import wait_all
+from paratrain.comm._shm_tune import CALLS as SHM_TUNING_CALLS
 from paratrain.comm.cost import LinkModel, algbw, bus_factor, predict
 from paratrain.runtime import Context, init, record_errors, shutdown
 
@@ -164,6 +167,10 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
             x = make_input(collective, size, n, dtype, ctx.device)
             calls = {alg: make_call(collective, alg, x, op) for alg in algorithms}
             times: dict[str, list[float]] = {alg: [] for alg in algorithms}
+            if "shm" in calls:  # shm measures which of its paths to take on a size's first calls: done here
+                for _ in range(SHM_TUNING_CALLS):
+                    ctx.barrier()
+                    calls["shm"]()
             for it in range(spec["warmup"] + spec["iters"]):
                 # interleaved (every algorithm sees the same machine state), in a rotating order
                 for alg in algorithms[it % len(algorithms) :] + algorithms[: it % len(algorithms)]:

@@ -53,6 +53,8 @@ from paratrain.comm._shm_sys import (
     _unlink,
     _VmReader,
 )
+from paratrain.comm._shm_tune import FUNCTIONS as TUNED_FUNCTIONS
+from paratrain.comm._shm_tune import PathTuner
 
 DEFAULT_CAPACITY_BYTES = 8 << 20
 """Bytes of one slot: the largest piece a rank contributes per step (two buffers are kept). 8 MiB keeps a
@@ -61,8 +63,10 @@ copies; ``benchmarks/bench_shm.py --capacity`` measures other choices."""
 SMALL_BYTES = 64 << 10
 """all_reduce pieces up to this size are reduced by every rank (one barrier instead of two)."""
 DIRECT_MIN_BYTES = 256 << 10
-"""Tensors above this size take the direct path (cross-memory attach) when it is available; smaller ones
-go through the slots, where a call needs fewer barriers (see ``OVERSUBSCRIBED_DIRECT_MIN_BYTES``)."""
+"""Tensors above this size may take the direct path (cross-memory attach) when it is available; smaller
+ones go through the slots, where a call needs fewer barriers. With tuning (the default) the path above it
+is measured (:mod:`._shm_tune`); this and ``OVERSUBSCRIBED_DIRECT_MIN_BYTES`` are the static rule, used
+without tuning and for the one call of a size class between the trials and the choice."""
 OVERSUBSCRIBED_DIRECT_MIN_BYTES = 2 << 20
 """The direct path's threshold when the group has more ranks than the host has cores. In the 4-rank sweeps
 on the 2-core development VM (``benchmarks/bench_shm.py``: ``results/shm.json`` and the earlier
@@ -85,6 +89,7 @@ _LINE_WORDS = 32  # 256 bytes of header per rank
 _ARRIVE, _REDUCED, _DONE, _STATUS, _PID, _START = 0, 1, 2, 3, 4, 5
 _SIG, _SIG_WORDS = 8, 8  # two signatures (one per buffer parity) at words 8..15 and 16..23
 _ADDR = 24  # direct path: the address of this rank's tensor for the current call
+_TUNE = 25  # words 25..28 of rank 0's line: the paths it chose, one word per collective (_shm_tune)
 _OK, _CLOSED, _ABORTED = 0, 1, 2
 _MAGIC, _VERSION = 0x7061726153484D31, 1  # "paraSHM1"
 _HEAD_WORDS = 8  # magic, version, size, capacity, arena, nonce, total bytes, reserved
@@ -110,8 +115,9 @@ class _Segment:
         small_bytes: int = SMALL_BYTES,
         futex: bool = True,
         direct: bool = True,
-        direct_min_bytes: int = DIRECT_MIN_BYTES,
+        direct_min_bytes: int | None = None,
         direct_block_bytes: int = DIRECT_BLOCK_BYTES,
+        tune: bool | None = None,
         store: Any = None,
         shm_dir: str = "/dev/shm",
     ) -> None:
@@ -144,9 +150,12 @@ class _Segment:
         self._futex: _Futex | None = None
         self._lines_addr = 0
         self.direct = False
-        if direct_min_bytes == DIRECT_MIN_BYTES and self.size > (os.cpu_count() or 1):
-            direct_min_bytes = OVERSUBSCRIBED_DIRECT_MIN_BYTES  # the same on every rank of one host
+        self.tune = direct_min_bytes is None if tune is None else tune
+        if direct_min_bytes is None:
+            oversubscribed = self.size > (os.cpu_count() or 1)  # the same on every rank of one host
+            direct_min_bytes = OVERSUBSCRIBED_DIRECT_MIN_BYTES if oversubscribed else DIRECT_MIN_BYTES
         self.direct_min_bytes = direct_min_bytes
+        self._tuner: PathTuner | None = None
         self.direct_block_bytes = max(_ALIGN, direct_block_bytes)
         self._vm: _VmReader | None = None
         self._pids: list[int] = []
@@ -284,6 +293,9 @@ class _Segment:
         if self.direct:
             self._vm = _VM
             self._pids = [int(i["pid"]) for i in info]
+            if self.tune:
+                words = self._lines[0, _TUNE : _TUNE + len(TUNED_FUNCTIONS)]
+                self._tuner = PathTuner(r, words, lambda b: b > self.direct_min_bytes, DIRECT_MIN_BYTES)
 
     def _map(self, path: str, create: bool) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)

@@ -66,10 +66,13 @@ argument lets a fast rank copy in piece k+1 while slow ranks still read piece k 
 ranks). The zero-copy arena is the exception (the caller writes it at will after the call), so
 :meth:`all_reduce_inplace_slot` ends with a third barrier on ``DONE``.
 
-**Direct path** (cross-memory attach). Where the kernel allows it, tensors above ``direct_min_bytes`` (256
-KiB; 2 MiB when the group has more ranks than the host has cores) skip the slots: each rank publishes its
-tensor's address in its header line with ARRIVE, and the others copy straight out of its address space
-with ``process_vm_readv(2)`` (one kernel copy, as MPI implementations do on one host). all_reduce: rank r
+**Direct path** (cross-memory attach). Where the kernel allows it, tensors above 256 KiB may skip the
+slots; which path a call takes is measured per collective and power-of-two size class on the first calls
+of each (:mod:`._shm_tune`: the slots' ``memcpy`` wins while the tensors are in cache on some hosts, the
+direct path's fewer bytes on others), or fixed by ``direct_min_bytes``. On the direct path each rank
+publishes its tensor's address in its header line with ARRIVE, and the others copy straight out of its
+address space with ``process_vm_readv(2)`` (one kernel copy, as MPI implementations do on one host).
+all_reduce: rank r
 reads block by block every peer's chunk r into a private cache-sized buffer, combines it with its own
 chunk in place, and writes the reduced block back into every peer's chunk r with ``process_vm_writev(2)``
 while it is in cache; then a ``DONE`` barrier (after it no peer reads or writes this rank's memory). Chunk
@@ -123,7 +126,8 @@ from __future__ import annotations
 import atexit
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -202,13 +206,19 @@ class ShmCommunicator(_Segment):
         capacity_bytes: bytes of one slot (rounded up to 64 B); tensors larger than this are processed in
             pieces. The segment holds 2·(n+1) slots, plus the arenas.
         direct: use the direct path (``process_vm_readv``) where every rank can (decided collectively).
-        direct_min_bytes: tensors above this size take the direct path; smaller ones the slots.
+        direct_min_bytes: tensors above this size take the direct path; smaller ones the slots. Given, it
+            fixes the path by size; left out (``None``), the path is measured per collective and size
+            class (``tune``), and this rule (``DIRECT_MIN_BYTES``; ``OVERSUBSCRIBED_DIRECT_MIN_BYTES``
+            with more ranks than cores) only serves the one call before the choice is known.
         direct_block_bytes: bytes of the peers' blocks together in the direct reduction's private buffer
             (each peer's block is 1/(n−1) of it).
         timeout_s: how long a rank waits for a peer before raising (default: the group's timeout).
         arena_bytes: bytes of this rank's arena for :meth:`allocate` (0: none).
         small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
         futex: block waiters in ``futex(2)`` (Linux), woken by the publisher; ``False``: sleep-polling.
+        tune: choose between the slots and the direct path by timing both on the first calls of each
+            collective and power-of-two size class (:mod:`._shm_tune`). Default: on unless
+            ``direct_min_bytes`` is given.
         store: a c10d store for the creation handshake (default: the process group's own store).
         shm_dir: where segments are created (a tmpfs; Linux's ``/dev/shm``).
     """
@@ -238,8 +248,8 @@ class ShmCommunicator(_Segment):
         if self.size == 1 or tensor.numel() == 0:
             return tensor
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        with self._call(function):
-            if root is None and self._takes_direct(buf):
+        with self._call(function), self._route(function, buf, root is None) as direct:
+            if direct:
                 self._all_reduce_direct(buf.view(-1), op)
             else:
                 self._reduce_flat(buf.view(-1), op, root)
@@ -319,8 +329,8 @@ class ShmCommunicator(_Segment):
             return out
         src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
         dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        with self._call("reduce_scatter"):
-            if self._takes_direct(src):
+        with self._call("reduce_scatter"), self._route("reduce_scatter", src) as direct:
+            if direct:
                 self._reduce_scatter_direct(src, list(bounds), op, dst.view(-1))
             else:
                 self._reduce_scatter(src, list(bounds), op, dst.view(-1))
@@ -387,8 +397,8 @@ class ShmCommunicator(_Segment):
             dst.view(-1)[lo:hi].copy_(inp.reshape(-1))
         else:
             src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
-            with self._call("all_gather"):
-                if self._takes_direct(dst):
+            with self._call("all_gather"), self._route("all_gather", dst) as direct:
+                if direct:
                     self._all_gather_direct(src, list(bounds), dst.view(-1))
                 else:
                     self._all_gather(src, list(bounds), dst.view(-1))
@@ -433,12 +443,12 @@ class ShmCommunicator(_Segment):
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat, dtype, r = buf.view(-1), buf.dtype, self.rank
         per = self.capacity_bytes // _esize(dtype)
-        direct = self._takes_direct(flat)
-        pieces = [] if direct else [(lo, min(flat.numel(), lo + per)) for lo in range(0, flat.numel(), per)]
-        sig = _signature("broadcast", "", dtype, flat.numel(), root, 0, len(pieces))
-        with self._call("broadcast"):
+        with self._call("broadcast"), self._route("broadcast", flat) as direct:
             if direct:
                 self._broadcast_direct(flat, root)
+            numel = flat.numel()
+            pieces = [] if direct else [(lo, min(numel, lo + per)) for lo in range(0, numel, per)]
+            sig = _signature("broadcast", "", dtype, flat.numel(), root, 0, len(pieces))
             for p, (lo, hi) in enumerate(pieces):  # through the root's slot, piece by piece
                 what = ("broadcast", p, len(pieces))
                 k, b = self._next()
@@ -457,10 +467,29 @@ class ShmCommunicator(_Segment):
 
     # -- the direct path (cross-memory attach) ---------------------------------------------------------
 
-    def _takes_direct(self, t: torch.Tensor) -> bool:
-        """The same on every rank for the same call (sizes agree; a disagreement on the device is caught
-        by the call signature, which marks the direct path with root -2)."""
-        return self.direct and t.device.type == "cpu" and t.numel() * _esize(t.dtype) > self.direct_min_bytes
+    @contextmanager
+    def _route(self, function: str, t: torch.Tensor, eligible: bool = True) -> Iterator[bool]:
+        """Yield whether this call takes the direct path, and time it when it is a tuning trial
+        (:mod:`._shm_tune`; inside :meth:`_call`, so a refused call counts nothing). The same on every rank
+        for the same call (sizes agree; a disagreement on the device is caught by the call signature,
+        which marks the direct path with root -2)."""
+        nbytes = t.numel() * _esize(t.dtype)
+        if not (eligible and self.direct and t.device.type == "cpu"):
+            yield False
+        elif self._tuner is None:
+            yield nbytes > self.direct_min_bytes
+        else:
+            direct, trial = self._tuner.pick(function, nbytes)
+            start = self._tuner.clock() if trial is not None else 0.0
+            yield direct
+            if trial is not None:
+                self._tuner.record(trial, direct, self._tuner.clock() - start)
+
+    def tuned_paths(self) -> dict[str, dict[int, str]]:
+        """The path each collective takes per size class, as measured so far (:mod:`._shm_tune`):
+        ``{"all_reduce": {1048576: "slots", ...}}``, keyed by the smallest size of the class in bytes.
+        Empty without tuning (``tune=False``, an explicit ``direct_min_bytes``, or no direct path)."""
+        return self._tuner.decisions() if self._tuner is not None else {}
 
     def _begin_direct(
         self, function: str, sig: list[int], addr: int, meanwhile: Callable[[], Any] | None = None

@@ -1,0 +1,133 @@
+"""shm's measured choice between the slots and the direct path, on 2-3 Gloo ranks.
+
+Every tuned collective (all_reduce, reduce_scatter, all_gather, broadcast) at sizes of three classes,
+interleaved, through the trials, the static call and past the choice, each result against Gloo's own
+collective; the ranks end with the same choices. Then rank 0's measurement decides for every rank, even
+when the others measured the opposite (scripted clocks), and the call after the choice takes that path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paratrain.comm import _shm_sys, shm
+from paratrain.comm._shm_tune import CALLS, TRIALS
+from paratrain.testing import run_distributed
+
+pytestmark = pytest.mark.dist
+
+SIZES = [(300 << 10) // 4, (1 << 20) // 4 + 5, (3 << 20) // 4]  # float32 elements: three size classes
+
+
+def _direct_possible() -> bool:
+    try:
+        return _shm_sys._VM is not None and int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text()) < 2
+    except (OSError, ValueError):
+        return _shm_sys._VM is not None
+
+
+def every_collective_through_the_tuning() -> dict[str, Any]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    c = shm.ShmCommunicator(timeout_s=60)
+    bad: list[str] = []
+    for i in range(CALLS + 2):
+        for numel in SIZES:
+            g = torch.Generator().manual_seed(100 * i + rank)
+            x = torch.randint(-8, 9, (numel,), generator=g).float()  # small integers: exact sums
+            ref = x.clone()
+            dist.all_reduce(ref)
+            if not torch.equal(c.all_reduce(x.clone()), ref):
+                bad.append(f"all_reduce call {i} numel {numel}")
+            k = numel // n
+            out = torch.empty(k)
+            if not torch.equal(c.reduce_scatter(out, x[: n * k]), ref[rank * k : (rank + 1) * k]):
+                bad.append(f"reduce_scatter call {i} numel {numel}")
+            mine = x[:k].contiguous()
+            full = torch.empty(n * k)
+            expect = [torch.empty(k) for _ in range(n)]
+            dist.all_gather(expect, mine)
+            if not torch.equal(c.all_gather(full, mine), torch.cat(expect)):
+                bad.append(f"all_gather call {i} numel {numel}")
+            root = i % n
+            b = x.clone()
+            want = x.clone()
+            dist.broadcast(want, src=root)
+            if not torch.equal(c.broadcast(b, src=root), want):
+                bad.append(f"broadcast call {i} numel {numel}")
+    paths = c.tuned_paths()
+    c.close()
+    return {"bad": bad, "paths": paths, "direct": c.direct}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_tuned_collective_matches_gloo_and_the_ranks_agree(world: int) -> None:
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    out = run_distributed(every_collective_through_the_tuning, world, timeout_s=170)
+    for r, o in enumerate(out):
+        assert o["direct"] is True and o["bad"] == [], (r, o["bad"])
+    paths = out[0]["paths"]
+    assert all(o["paths"] == paths for o in out), [o["paths"] for o in out]
+    # every collective has a choice for each of the three classes (all_gather's output is n times larger)
+    assert set(paths) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+    assert all(len(v) == 3 for v in paths.values()), paths
+    assert all(p in ("direct", "slots") for v in paths.values() for p in v.values())
+
+
+def rank0_decides(prefer_direct: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    c = shm.ShmCommunicator(timeout_s=60)
+    assert c._tuner is not None
+    # trial i is slots for even i, direct for odd i; rank 0 sees `prefer_direct` win, the others the opposite
+    wins = prefer_direct if rank == 0 else not prefer_direct
+    ticks: list[float] = []
+    for i in range(2 * TRIALS):
+        direct = i % 2 == 1
+        ticks += [10.0 * i, 10.0 * i + (1.0 if direct == wins else 2.0)]
+    c._tuner.clock = iter(ticks).__next__  # StopIteration if a call that is no trial were timed
+    x = torch.full(((1 << 20) // 4,), float(rank + 1))
+    expect = float(sum(range(1, dist.get_world_size() + 1)))
+    bad = []
+    for i in range(CALLS + 1):
+        if not bool((c.all_reduce(x.clone()) == expect).all()):
+            bad.append(i)
+    c.trace = []  # records each direct all-reduce
+    c.all_reduce(x.clone())
+    took_direct = len(c.trace) == 1
+    paths = c.tuned_paths()
+    c.close()
+    return {"bad": bad, "paths": paths, "took_direct": took_direct}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("prefer_direct", [False, True])
+def test_rank0s_measurement_decides_for_every_rank(prefer_direct: bool) -> None:
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    out = run_distributed(rank0_decides, 3, args=(prefer_direct,), timeout_s=110)
+    want = "direct" if prefer_direct else "slots"
+    for r, o in enumerate(out):
+        assert o["bad"] == [], (r, o["bad"])
+        assert o["paths"] == {"all_reduce": {1 << 20: want}}, (r, o["paths"])
+        assert o["took_direct"] is prefer_direct, r
+
+
+def fixed_threshold() -> dict[str, Any]:
+    c = shm.ShmCommunicator(direct_min_bytes=0)
+    for _ in range(CALLS + 1):
+        c.all_reduce(torch.ones(1 << 18))
+    out = {"paths": c.tuned_paths(), "tuned": c._tuner is not None}
+    c.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_an_explicit_direct_min_bytes_fixes_the_path() -> None:
+    for o in run_distributed(fixed_threshold, 2, timeout_s=50):
+        assert o == {"paths": {}, "tuned": False}
