@@ -131,3 +131,36 @@ def fixed_threshold() -> dict[str, Any]:
 def test_an_explicit_direct_min_bytes_fixes_the_path() -> None:
     for o in run_distributed(fixed_threshold, 2, timeout_s=50):
         assert o == {"paths": {}, "tuned": False}
+
+
+def mismatch_during_the_trials() -> dict[str, Any]:
+    """Rank 1 calls with another size (another class) at the third call: every rank raises the mismatch,
+    the call is uncounted, and the tuning goes on in step."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    c = shm.ShmCommunicator(timeout_s=60)
+    errors, bad = [], []
+    expect = float(sum(range(1, n + 1)))
+    for i in range(CALLS + 3):
+        numel = (1 << 20) // 4
+        if i == 2 and rank == 1:
+            numel = (3 << 20) // 4
+        try:
+            if not bool((c.all_reduce(torch.full((numel,), float(rank + 1))) == expect).all()):
+                bad.append(i)
+        except ValueError as e:
+            errors.append((i, str(e).splitlines()[0]))
+    paths = c.tuned_paths()
+    c.close()
+    return {"errors": errors, "bad": bad, "paths": paths}
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatched_call_during_the_trials_keeps_the_ranks_in_step() -> None:
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    out = run_distributed(mismatch_during_the_trials, 2, timeout_s=110)
+    for r, o in enumerate(out):
+        assert [i for i, _ in o["errors"]] == [2], (r, o["errors"])
+        assert "disagree on the call" in o["errors"][0][1], o["errors"]
+        assert o["bad"] == [], (r, o["bad"])
+    assert out[0]["paths"] == out[1]["paths"] and set(out[0]["paths"]["all_reduce"]) == {1 << 20}, out

@@ -75,3 +75,13 @@ def test_a_rank_that_finds_no_published_choice_says_the_calls_diverged() -> None
         _call(t1, "broadcast", 1 << 20, {False: 1.0, True: 1.0})
     with pytest.raises(RuntimeError, match="rank 0 has not published the path of size class 2"):
         t1.pick("broadcast", 1 << 20)
+
+
+def test_undo_takes_back_a_counted_call_but_not_a_decided_one() -> None:
+    _, (t0, _) = _tuners(2)
+    t0.pick("all_reduce", 1 << 20)  # trial 0 (slots)
+    t0.undo("all_reduce", 1 << 20)
+    assert t0.pick("all_reduce", 1 << 20)[0] is False  # trial 0 again, not trial 1 (direct)
+    t0.undo("all_reduce", 4096)  # below the tuned sizes: nothing to take back
+    t0.undo("all_gather", 1 << 20)  # a class never called: nothing either
+    assert t0.pick("all_reduce", 1 << 20)[0] is True  # trial 1

@@ -100,6 +100,16 @@ class PathTuner:
         c.direct = bool(bits & 2)
         return c.direct, None
 
+    def undo(self, function: str, nbytes: int) -> None:
+        """Take back the count of a call that :meth:`pick` let through and that then raised a mismatch
+        (the ranks disagreed on the call; every rank raises it at the same call, and the group stays
+        usable), so that the counts still agree on every rank."""
+        if nbytes <= self.min_bytes:
+            return
+        c = self._classes.get((FUNCTIONS.index(function), self.size_class(nbytes)))
+        if c is not None and c.direct is None and c.calls:
+            c.calls -= 1
+
     def record(self, key: tuple[int, int], direct: bool, seconds: float) -> None:
         """A trial call took ``seconds``; rank 0 publishes the choice after the last trial."""
         c = self._classes[key]

@@ -159,6 +159,7 @@ from paratrain.comm._shm_segment import (
     DIRECT_MIN_BYTES,
     IN_PLACE_BLOCK_BYTES,
     SMALL_BYTES,
+    _Mismatch,
     _Segment,
     transport_storages,
 )
@@ -481,7 +482,11 @@ class ShmCommunicator(_Segment):
         else:
             direct, trial = self._tuner.pick(function, nbytes)
             start = self._tuner.clock() if trial is not None else 0.0
-            yield direct
+            try:
+                yield direct
+            except _Mismatch:  # every rank raises it at this call: uncount it, so the counts still agree
+                self._tuner.undo(function, nbytes)
+                raise
             if trial is not None:
                 self._tuner.record(trial, direct, self._tuner.clock() - start)
 
