@@ -14,10 +14,14 @@ always right after ``native``:
   1 MiB: P = 2 at 16 MB, 4 at 64 MB);
 - ``ring-1piece``: the ring before that rule (P = 1 at 16 MB: not pipelined);
 - ``ring-2MiB`` / ``ring-1MiB``: the same with 2 / 1 MiB pieces (P = 2 / 4 at 16 MB, pipelined, a window
-  of 4 / 8 receives).
+  of 4 / 8 receives);
+- ``ring-no-reduction`` (timing only, its result is wrong): the shipped ring with the combination of a
+  received piece into the local one replaced by nothing, to measure what the reductions cost; off unless
+  ``--variants`` names it.
 
 Also reported: CPU seconds per call summed over the ranks (``time.process_time``: every thread of a rank,
-Gloo's included), steadier than wall time on a loaded machine. With ``--back-to-back K`` each sample is
+Gloo's included), steadier than wall time on a loaded machine, split into user and system time, and the
+minor page faults per call (``getrusage``). With ``--back-to-back K`` each sample is
 K calls in a row after one barrier (time and CPU per call), so the barrier's exit skew does not land on
 every call.
 
@@ -49,9 +53,39 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1 << 20
 
 
+VARIANTS = (
+    "native",
+    "ring",
+    "ring-1piece",
+    "ring-2MiB",
+    "ring-1MiB",
+    "ring-no-reduction",
+)
+DEFAULT_VARIANTS = ("native", "ring", "ring-1piece", "ring-2MiB", "ring-1MiB")
+
+
+def _no_reduction(x: torch.Tensor, p: Any) -> None:
+    """The shipped ring with its reductions replaced by nothing (timing only: the result is wrong)."""
+    from paratrain.comm import ring
+
+    real = ring.combine_
+    ring.combine_ = lambda dst, src, op: dst  # type: ignore[assignment]
+    try:
+        ring.all_reduce(x, "sum", p)
+    finally:
+        ring.combine_ = real
+
+
 def _worker(
-    sizes: list[int], iters: int, warmup: int, back_to_back: int = 1, bind: bool = False
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    back_to_back: int = 1,
+    bind: bool = False,
+    variants: tuple[str, ...] = DEFAULT_VARIANTS,
 ) -> dict[str, Any]:
+    import resource
+
     from paratrain.comm import ring
     from paratrain.comm._common import peers
 
@@ -69,25 +103,37 @@ def _worker(
             "ring-1piece": lambda x=x: ring.all_reduce(x, "sum", p, min_pipelined_bytes=1 << 40),
             "ring-2MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=2 * MB),
             "ring-1MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=1 * MB),
+            "ring-no-reduction": lambda x=x: _no_reduction(x, p),
         }
+        calls = {k: v for k, v in calls.items() if k in variants}
         wall: dict[str, list[float]] = {k: [] for k in calls}
         cpu: dict[str, list[float]] = {k: [] for k in calls}
+        usage: dict[str, list[list[float]]] = {k: [] for k in calls}  # user s, system s, minor faults
         names = list(calls)
         for it in range(warmup + iters):
             # the order rotates every iteration, so that each variant runs in every position equally often
             for k in names[it % len(names) :] + names[: it % len(names)]:
                 call = calls[k]
                 dist.barrier()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(back_to_back):  # > 1: the barrier's exit skew spread over the calls
                     call()
                 if it >= warmup:
                     wall[k].append((time.perf_counter() - t0) / back_to_back)
                     cpu[k].append((time.process_time() - c0) / back_to_back)
+                    r1 = resource.getrusage(resource.RUSAGE_SELF)
+                    usage[k].append([
+                        (r1.ru_utime - r0.ru_utime) / back_to_back, (r1.ru_stime - r0.ru_stime) / back_to_back,
+                        (r1.ru_minflt - r0.ru_minflt) / back_to_back,
+                    ])  # fmt: skip
         w = torch.tensor([wall[k] for k in calls], dtype=torch.float64)
         c = torch.tensor([cpu[k] for k in calls], dtype=torch.float64)
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
         dist.all_reduce(c)
+        u = torch.tensor([usage[k] for k in calls], dtype=torch.float64)  # (variant, iteration, 3)
+        dist.all_reduce(u)  # summed over the ranks
+        mean_usage = u.mean(dim=1).tolist()
         med = {k: statistics.median(v) for k, v in zip(calls, w.tolist(), strict=True)}
         out[str(size)] = {
             k: {
@@ -95,8 +141,11 @@ def _worker(
                 "busbw_GBps": busbw("all_reduce", n, size, med[k]) / 1e9,
                 "vs_native": med["native"] / med[k],
                 "cpu_s_all_ranks": statistics.median(cv),
+                "user_s_all_ranks_mean": mu[0],
+                "sys_s_all_ranks_mean": mu[1],
+                "minor_faults_all_ranks_mean": mu[2],
             }
-            for k, cv in zip(calls, c.tolist(), strict=True)
+            for k, cv, mu in zip(calls, c.tolist(), mean_usage, strict=True)
         }
     return out
 
@@ -116,9 +165,17 @@ def main() -> None:
         "--cpu-bind", choices=("none", "cores", "both"), default="none",
         help="pin the ranks as `paratrain launch --cpu-bind cores` does; both: each run unpinned, then pinned",
     )  # fmt: skip
+    ap.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS),
+        help=f"comma list of {', '.join(VARIANTS)} (native is always run)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "ring16.json")
     args = ap.parse_args()
+    variants = tuple(dict.fromkeys(["native", *[v for v in args.variants.split(",") if v]]))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; choose from {', '.join(VARIANTS)}")
     if args.back_to_back < 1 or args.runs < 1 or args.iters < 1:
         raise SystemExit("--back-to-back, --runs and --iters must be at least 1")
     sizes = [int(s) * MB for s in args.sizes.split(",")]
@@ -127,7 +184,7 @@ def main() -> None:
     for r, bind in ((r, b) for r in range(args.runs) for b in binds):
         load = os.getloadavg()[0]
         res = run_distributed(
-            _worker, args.ranks, args=(sizes, args.iters, args.warmup, args.back_to_back, bind),
+            _worker, args.ranks, args=(sizes, args.iters, args.warmup, args.back_to_back, bind, variants),
             timeout_s=1800, env={"OMP_NUM_THREADS": "1"},
         )[0]  # fmt: skip
         runs.append({"load_avg_before": load, "load_avg": os.getloadavg()[0], "cpu_bind": bind, "sizes": res})
@@ -135,7 +192,10 @@ def main() -> None:
             print(
                 f"run {r + 1}{' pinned' if bind else ''}, {int(s) // MB} MB: "
                 + ", ".join(
-                    f"{k} {v['time_s'] * 1e3:.1f} ms ({v['vs_native']:.2f}x native)" for k, v in row.items()
+                    f"{k} {v['time_s'] * 1e3:.1f} ms ({v['vs_native']:.2f}x native, CPU "
+                    f"{(v['user_s_all_ranks_mean'] + v['sys_s_all_ranks_mean']) * 1e3:.0f} ms, "
+                    f"{v['minor_faults_all_ranks_mean']:.0f} faults)"
+                    for k, v in row.items()
                 ),
                 file=sys.stderr,
                 flush=True,
