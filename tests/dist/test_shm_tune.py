@@ -164,3 +164,33 @@ def test_a_mismatched_call_during_the_trials_keeps_the_ranks_in_step() -> None:
         assert "disagree on the call" in o["errors"][0][1], o["errors"]
         assert o["bad"] == [], (r, o["bad"])
     assert out[0]["paths"] == out[1]["paths"] and set(out[0]["paths"]["all_reduce"]) == {1 << 20}, out
+
+
+def freed_without_the_garbage_collector() -> dict[str, Any]:
+    import gc
+    import weakref
+
+    gc.disable()  # a reference cycle would keep it (and its process group) alive until the final collection
+    try:
+        c = shm.ShmCommunicator(timeout_s=30)
+        tuned = c._tuner is not None
+        for _ in range(CALLS + 1):
+            c.all_reduce(torch.ones((1 << 20) // 4))
+        ref = weakref.ref(c)
+        c.close()
+        del c
+        alive = ref() is not None
+    finally:
+        gc.enable()
+    return {"tuned": tuned, "alive": alive}
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_communicator_is_freed_at_once() -> None:
+    """A cycle through the communicator left it, and the process group it holds, to the collector at
+    interpreter exit, where a Gloo worker thread freeing its last work aborted the process (SIGABRT,
+    'terminate called without an active exception') in about a third of `paratrain bench comm` runs."""
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    for o in run_distributed(freed_without_the_garbage_collector, 2, timeout_s=50):
+        assert o == {"tuned": True, "alive": False}

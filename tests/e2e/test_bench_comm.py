@@ -47,6 +47,7 @@ def test_bench_comm_json_and_plot(tmp_path: Path) -> None:
         assert r["algbw_GBps"] == pytest.approx(size / r["time_s"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor.get(collective, 1.0))
         assert (r["model_s"] is None) == (algorithm in ("native", "shm"))  # shm: memory-bound, no α–β model
+        assert r.get("shm_path") == ("slots" if algorithm == "shm" else None)  # <= 256 KiB: always the slots
     assert result["model"]["alpha_s"] > 0 and result["model"]["beta_s_per_byte"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ MIN = 256 << 10
 
 def _tuners(n: int) -> tuple[np.ndarray, list[PathTuner]]:
     words = np.zeros(len(_shm_tune.FUNCTIONS), dtype=np.int64)  # stands for rank 0's header words
-    return words, [PathTuner(r, words, lambda b: b > 2 << 20, MIN) for r in range(n)]
+    return words, [PathTuner(r, words, 2 << 20, MIN) for r in range(n)]
 
 
 def _call(tuner: PathTuner, function: str, nbytes: int, seconds: dict[bool, float]) -> bool:

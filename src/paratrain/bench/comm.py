@@ -207,6 +207,7 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{size:>8}  {r['algorithm']:<9} {r['time_s'] * 1e6:11.1f} {r['algbw_GBps']:11.3f} "
                 f"{r['busbw_GBps']:11.3f} {model} {ratio}"
+                + (f"  ({r['shm_path']} path)" if "shm_path" in r else "")
             )
     lines += ["", "fastest algorithm by size:"]
     for collective, by_alg in winners(result).items():

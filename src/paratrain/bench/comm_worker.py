@@ -155,6 +155,16 @@ def make_call(collective: str, algorithm: str, x: torch.Tensor, op: str) -> Call
     raise ValueError(f"cannot benchmark {collective!r}")
 
 
+def shm_path_of(collective: str, x: torch.Tensor, n: int) -> str:
+    """The path shm takes for this collective and input (``comm/_shm_tune.py``): "direct" or "slots"
+    (reduce has only the slots)."""
+    from paratrain.comm import shm
+
+    if collective == "reduce" or x.device.type != "cpu":
+        return "slots"
+    return shm.get_communicator().path(collective, message_bytes(collective, x, n))
+
+
 def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
     """Measure everything in ``spec``; every rank returns the same result dict."""
     n, dtype, op = ctx.world_size, DTYPES[spec["dtype"]], spec["op"]
@@ -167,10 +177,12 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
             x = make_input(collective, size, n, dtype, ctx.device)
             calls = {alg: make_call(collective, alg, x, op) for alg in algorithms}
             times: dict[str, list[float]] = {alg: [] for alg in algorithms}
+            shm_path = None
             if "shm" in calls:  # shm measures which of its paths to take on a size's first calls: done here
                 for _ in range(SHM_TUNING_CALLS):
                     ctx.barrier()
                     calls["shm"]()
+                shm_path = shm_path_of(collective, x, n)
             for it in range(spec["warmup"] + spec["iters"]):
                 # interleaved (every algorithm sees the same machine state), in a rotating order
                 for alg in algorithms[it % len(algorithms) :] + algorithms[: it % len(algorithms)]:
@@ -197,6 +209,7 @@ def run(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
                         "algbw_GBps": bw / 1e9,
                         "busbw_GBps": bw * bus_factor(collective, n) / 1e9,
                         "model_s": predict(collective, alg, n, nbytes, model),
+                        **({"shm_path": shm_path} if alg == "shm" else {}),
                     }
                 )
             del x, calls

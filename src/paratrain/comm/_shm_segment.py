@@ -295,7 +295,7 @@ class _Segment:
             self._pids = [int(i["pid"]) for i in info]
             if self.tune:
                 words = self._lines[0, _TUNE : _TUNE + len(TUNED_FUNCTIONS)]
-                self._tuner = PathTuner(r, words, lambda b: b > self.direct_min_bytes, DIRECT_MIN_BYTES)
+                self._tuner = PathTuner(r, words, self.direct_min_bytes, DIRECT_MIN_BYTES)
 
     def _map(self, path: str, create: bool) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -364,6 +364,8 @@ class _Segment:
         self._u8 = torch.empty(0, dtype=torch.uint8)
         self._lines = np.zeros((self.size, _LINE_WORDS), dtype=np.int64)
         self._head = np.zeros(_HEAD_WORDS, dtype=np.int64)
+        if self._tuner is not None:  # its words are a view of the mapping: the mapping cannot close under it
+            self._tuner.words = np.zeros_like(self._tuner.words)
         mm, self._mm = self._mm, None
         if mm is not None:
             _close_mapping(mm)

@@ -59,14 +59,17 @@ class PathTuner:
     """Per collective and size class, the path (direct or slots) measured fastest on this host.
 
     ``words``: rank 0's ``len(FUNCTIONS)`` header words (shared memory, written by rank 0 only);
-    ``static``: the rule used before the choice is known (``nbytes -> direct?``); ``min_bytes``: sizes at
-    or below this always take the slots (the classes start above it).
+    ``static_min_bytes``: the rule used before the choice is known (direct above it); ``min_bytes``: sizes
+    at or below this always take the slots (the classes start above it). The tuner holds no reference to
+    its communicator: a cycle between the two would leave the communicator, and the process group it holds,
+    to the garbage collector at interpreter exit, where a Gloo worker thread that frees its last work then
+    needs the GIL of a finalizing interpreter and aborts the process (seen in ``paratrain bench comm``).
     """
 
-    def __init__(self, rank: int, words: np.ndarray, static: Callable[[int], bool], min_bytes: int) -> None:
+    def __init__(self, rank: int, words: np.ndarray, static_min_bytes: int, min_bytes: int) -> None:
         self.rank = rank
         self.words = words
-        self.static = static
+        self.static_min_bytes = static_min_bytes
         self.min_bytes = min_bytes
         self.clock: Callable[[], float] = time.perf_counter
         """What trial calls are timed with (a test may script it)."""
@@ -90,7 +93,7 @@ class PathTuner:
         if calls < 2 * TRIALS:
             return calls % 2 == 1, key
         if calls == 2 * TRIALS:
-            return self.static(nbytes), None
+            return nbytes > self.static_min_bytes, None
         bits = int(self.words[key[0]]) >> (2 * key[1])
         if not bits & 1:  # cannot happen while every rank makes the same calls (the signature checks)
             raise RuntimeError(
@@ -121,6 +124,14 @@ class PathTuner:
         word = int(self.words[f]) | ((1 | (2 if direct else 0)) << (2 * k))
         self.words[f] = word  # rank 0's own line: only it writes there
         # rank 0 too takes the choice only from call 2·TRIALS + 1 on, reading it back like every rank
+
+    def path(self, function: str, nbytes: int) -> str | None:
+        """``"direct"`` or ``"slots"``: the path a call of ``function`` on ``nbytes`` takes once tuned (slots
+        at or below ``min_bytes``); ``None`` while its class is still being measured."""
+        if nbytes <= self.min_bytes:
+            return "slots"
+        low = {self.size_class(k): v for k, v in self.decisions().get(function, {}).items()}
+        return low.get(self.size_class(nbytes))
 
     def decisions(self) -> dict[str, dict[int, str]]:
         """The paths chosen so far, as this rank knows them: collective -> {smallest size of the class

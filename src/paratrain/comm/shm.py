@@ -490,6 +490,17 @@ class ShmCommunicator(_Segment):
             if trial is not None:
                 self._tuner.record(trial, direct, self._tuner.clock() - start)
 
+    def path(self, function: str, nbytes: int) -> str:
+        """The path a CPU call of ``function`` (``all_reduce``, ``reduce_scatter``, ``all_gather`` or
+        ``broadcast``) on a tensor of ``nbytes`` takes now: ``"direct"``, ``"slots"``, or ``"tuning"``
+        while its size class is still being measured (all_gather: the output's bytes; reduce_scatter: the
+        input's)."""
+        if not self.direct or self.size == 1:
+            return "slots"
+        if self._tuner is None:
+            return "direct" if nbytes > self.direct_min_bytes else "slots"
+        return self._tuner.path(function, nbytes) or "tuning"
+
     def tuned_paths(self) -> dict[str, dict[int, str]]:
         """The path each collective takes per size class, as measured so far (:mod:`._shm_tune`):
         ``{"all_reduce": {1048576: "slots", ...}}``, keyed by the smallest size of the class in bytes.
