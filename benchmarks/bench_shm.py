@@ -263,14 +263,9 @@ def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _tuned_path(c: Any, collective: str, t: torch.Tensor) -> str:
     """The path ``shm`` (as shipped) takes for ``t`` in ``collective`` after its tuning calls."""
-    nbytes = t.numel() * t.element_size()
     if not c.direct:
         return "slots (no direct path here)"
-    if c._tuner is None or nbytes <= c._tuner.min_bytes:
-        return "slots (below the tuned sizes)"
-    classes = c.tuned_paths().get(collective, {})
-    same = [p for low, p in classes.items() if c._tuner.size_class(low) == c._tuner.size_class(nbytes)]
-    return same[0] if same else "undecided"
+    return str(c.path(collective, t.numel() * t.element_size()))
 
 
 def shm_limit(membw: dict[str, float], n: int, cores: int) -> float:
