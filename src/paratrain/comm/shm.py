@@ -72,15 +72,16 @@ of each (:mod:`._shm_tune`: the slots' ``memcpy`` wins while the tensors are in 
 direct path's fewer bytes on others), or fixed by ``direct_min_bytes``. On the direct path each rank
 publishes its tensor's address in its header line with ARRIVE, and the others copy straight out of its
 address space with ``process_vm_readv(2)`` (one kernel copy, as MPI implementations do on one host).
-all_reduce: rank r
-reads block by block every peer's chunk r into a private cache-sized buffer, combines it with its own
-chunk in place, and writes the reduced block back into every peer's chunk r with ``process_vm_writev(2)``
-while it is in cache; then a ``DONE`` barrier (after it no peer reads or writes this rank's memory). Chunk
-r of every rank's tensor is touched by rank r alone, so no other barrier is needed. Per rank that is
+all_reduce: rank r reads block by block every peer's chunk r into a private cache-sized buffer, combines
+it with its own chunk in place, and writes the reduced block back into every peer's chunk r with
+``process_vm_writev(2)`` while it is in cache; then a ``DONE`` barrier (after it no peer reads or writes
+this rank's memory). Chunk r of every rank's tensor is touched by rank r alone, so no other barrier is
+needed. Per rank that is
 (n−1)/n·S read in, S/n reduced, (n−1)/n·S written out, against the slots' copy in (S), reduction and copy
 out (S). reduce_scatter and all_gather read the peers' inputs the same way; broadcast reads the root's
-tensor. It is decided once, collectively, when the communicator is created: every rank must want it
-(``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``), all must share one pid namespace, and each must
+tensor. Whether the direct path is available at all is decided once, collectively, when the
+communicator is created: every rank must want it (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``),
+all must share one pid namespace, and each must
 read (and write back) a probe word of the next rank successfully. Same-user processes may read each other
 unless Yama's ``ptrace_scope`` forbids it; at scope 1 every rank allows its peers with
 ``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the slots are used). A peer that dies mid-call
