@@ -38,7 +38,8 @@ exit for the cached communicators) unmaps this rank's view early.
 **Layout** (n ranks, C = ``capacity_bytes``, A = ``arena_bytes``; every region 64-byte aligned)::
 
     header   4 KiB+   one 256-byte line per rank: flags ARRIVE, REDUCED, DONE (int64, written only by
-                      that rank, monotonically increasing), STATUS, pid, start time, two call signatures
+                      that rank, monotonically increasing), STATUS, pid, start time, two call signatures,
+                      the direct path's tensor address; rank 0's also the paths it chose (_shm_tune)
     slots    2·n·C    two buffers (b = seq mod 2) of one C-byte slot per rank: inputs
     results  2·C      two buffers of reduced pieces (all_reduce / reduce): rank c writes chunk c
     arenas   n·A      one per rank, for :meth:`ShmCommunicator.allocate` (zero-copy buckets)
