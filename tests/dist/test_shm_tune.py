@@ -194,3 +194,97 @@ def test_a_dropped_communicator_is_freed_at_once() -> None:
         pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
     for o in run_distributed(freed_without_the_garbage_collector, 2, timeout_s=50):
         assert o == {"tuned": True, "alive": False}
+
+
+def broadcast_with_slow_receivers() -> dict[str, Any]:
+    """Rank 1's work after the ARRIVE barrier costs 50 ms on the slots path and 20 ms on the direct path.
+    The slots broadcast returns on the root right after that barrier; unless the trial waits for every rank
+    (a DONE barrier), rank 0 times the slots without rank 1's copy and charges it to its next call."""
+    import time
+
+    rank = dist.get_rank()
+    c = shm.ShmCommunicator(timeout_s=30)
+    if rank == 1:
+        on_direct = {"now": False}
+        check, direct_path = c._check_sig, c._broadcast_direct
+
+        def slow_check(seq: int, sig: Any) -> None:
+            check(seq, sig)
+            time.sleep(0.02 if on_direct["now"] else 0.05)
+
+        def flagged_direct(flat: torch.Tensor, root: int) -> None:
+            on_direct["now"] = True
+            try:
+                direct_path(flat, root)
+            finally:
+                on_direct["now"] = False
+
+        c._check_sig, c._broadcast_direct = slow_check, flagged_direct  # type: ignore[method-assign]
+    x = torch.full(((4 << 20) // 4,), float(rank))
+    for _ in range(CALLS + 1):
+        c.broadcast(x, src=0)
+    out = {"paths": c.tuned_paths(), "ok": bool((x == 0).all())}
+    c.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_slots_trial_times_the_whole_group() -> None:
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    for o in run_distributed(broadcast_with_slow_receivers, 2, timeout_s=110):
+        assert o == {"paths": {"broadcast": {4 << 20: "direct"}}, "ok": True}
+
+
+def calls_that_move_nothing() -> dict[str, Any]:
+    """all_gather with every part empty (an output that is not empty) makes no step, so no barrier: such
+    calls must not be counted, or rank 0's choice could reach the others too late."""
+    n = dist.get_world_size()
+    c = shm.ShmCommunicator(timeout_s=30)
+    out = torch.full(((1 << 20) // 4,), 7.0)
+    for _ in range(CALLS + 2):
+        c.all_gather_flat(torch.empty(0), [(0, 0)] * n, out)
+    res = {"paths": c.tuned_paths(), "untouched": bool((out == 7.0).all())}
+    c.close()
+    return res
+
+
+@pytest.mark.timeout(60)
+def test_calls_that_move_nothing_are_not_counted() -> None:
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    for o in run_distributed(calls_that_move_nothing, 3, timeout_s=50):
+        assert o == {"paths": {}, "untouched": True}
+
+
+def one_call_with_a_gpu_tensor() -> dict[str, Any]:
+    rank = dist.get_rank()
+    numel = (1 << 20) // 4
+    c = shm.ShmCommunicator(timeout_s=30)
+    results = []
+    for i in range(CALLS + 3):
+        device = "cuda" if (i == 1 and rank == 1) else "cpu"  # trial 1 (direct) with rank 1's tensor on a GPU
+        try:
+            got = c.all_reduce(torch.full((numel,), float(rank + 1), device=device))
+            results.append("ok" if bool((got.cpu() == 3.0).all()) else "wrong")
+        except ValueError as e:
+            results.append("mismatch" if "disagree on the call" in str(e) else str(e))
+    gathered = c.all_gather(torch.empty(2 * numel), torch.full((numel,), float(rank), device="cuda"))
+    out = {"results": results, "paths": c.tuned_paths(), "gathered": gathered.tolist()[:: numel]}
+    c.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+def test_a_call_with_a_gpu_tensor_on_one_rank_leaves_the_ranks_in_step() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: one rank's tensor goes on it")
+    if not _direct_possible():
+        pytest.skip("process_vm_readv between sibling processes is not allowed here (Yama ptrace_scope >= 2)")
+    for o in run_distributed(one_call_with_a_gpu_tensor, 2, timeout_s=110):
+        # the mixed call is refused on both ranks (rank 0 took the direct path, rank 1 had to take the
+        # slots) and counts nothing; every CPU call after it agrees, and the tuning completes
+        assert o["results"] == ["ok", "mismatch"] + ["ok"] * (CALLS + 1), o["results"]
+        assert set(o["paths"]) == {"all_reduce"}
+        assert o["gathered"] == [0.0, 1.0]  # a GPU input with a CPU output goes through the slots

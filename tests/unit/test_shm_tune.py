@@ -17,10 +17,12 @@ def _tuners(n: int) -> tuple[np.ndarray, list[PathTuner]]:
     return words, [PathTuner(r, words, 2 << 20, MIN) for r in range(n)]
 
 
-def _call(tuner: PathTuner, function: str, nbytes: int, seconds: dict[bool, float]) -> bool:
-    direct, trial = tuner.pick(function, nbytes)
-    if trial is not None:
-        tuner.record(trial, direct, seconds[direct])
+def _call(tuner: PathTuner, function: str, nbytes: int, seconds: dict[bool, float] | None) -> bool:
+    """One call that succeeds: picked, then counted (timed when it is a trial and ``seconds`` is given)."""
+    direct, ticket = tuner.pick(function, nbytes)
+    if ticket is not None:
+        timed = seconds is not None and tuner.is_trial(ticket)
+        tuner.done(ticket, direct, seconds[direct] if timed and seconds is not None else None)
     return direct
 
 
@@ -77,11 +79,26 @@ def test_a_rank_that_finds_no_published_choice_says_the_calls_diverged() -> None
         t1.pick("broadcast", 1 << 20)
 
 
-def test_undo_takes_back_a_counted_call_but_not_a_decided_one() -> None:
+def test_a_call_that_raised_counts_nothing() -> None:
     _, (t0, _) = _tuners(2)
-    t0.pick("all_reduce", 1 << 20)  # trial 0 (slots)
-    t0.undo("all_reduce", 1 << 20)
-    assert t0.pick("all_reduce", 1 << 20)[0] is False  # trial 0 again, not trial 1 (direct)
-    t0.undo("all_reduce", 4096)  # below the tuned sizes: nothing to take back
-    t0.undo("all_gather", 1 << 20)  # a class never called: nothing either
+    assert t0.pick("all_reduce", 1 << 20)[0] is False  # trial 0 (slots), then the call raised: no done()
+    assert t0.pick("all_reduce", 1 << 20)[0] is False  # still trial 0, not trial 1 (direct)
+    _call(t0, "all_reduce", 1 << 20, {False: 1.0, True: 1.0})
     assert t0.pick("all_reduce", 1 << 20)[0] is True  # trial 1
+
+
+def test_untimed_calls_are_counted_and_rank0_then_publishes_the_slots() -> None:
+    """Tensors off the CPU: the calls count, nothing is timed, and the slots are chosen; nobody is left
+    waiting for a choice that is never published."""
+    _, (t0, t1) = _tuners(2)
+    for _ in range(CALLS + 2):
+        for t in (t0, t1):
+            _call(t, "all_gather", 1 << 20, None)
+    assert t0.decisions() == t1.decisions() == {"all_gather": {1 << 20: "slots"}}
+
+
+def test_path_names_the_collectives_it_knows() -> None:
+    _, (t0, _) = _tuners(2)
+    assert t0.path("all_reduce", 4096) == "slots" and t0.path("all_reduce", 1 << 20) is None
+    with pytest.raises(ValueError, match="'allreduce' is not one of the tuned collectives"):
+        t0.path("allreduce", 1 << 20)

@@ -364,8 +364,10 @@ class _Segment:
         self._u8 = torch.empty(0, dtype=torch.uint8)
         self._lines = np.zeros((self.size, _LINE_WORDS), dtype=np.int64)
         self._head = np.zeros(_HEAD_WORDS, dtype=np.int64)
-        if self._tuner is not None:  # its words are a view of the mapping: the mapping cannot close under it
-            self._tuner.words = np.zeros_like(self._tuner.words)
+        if (
+            self._tuner is not None
+        ):  # its words view the mapping, which cannot close under a view: keep a copy
+            self._tuner.words = self._tuner.words.copy()
         mm, self._mm = self._mm, None
         if mm is not None:
             _close_mapping(mm)

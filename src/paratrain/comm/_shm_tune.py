@@ -16,18 +16,22 @@ library picks a kernel by timing it:
 - call ``2·TRIALS`` (one more) takes the static rule (``direct_min_bytes``); from call ``2·TRIALS + 1``
   on, every rank reads rank 0's choice and keeps it.
 
-**Why every rank takes the same path.** The calls of a class are counted the same on every rank (every
-rank makes the same collectives with the same sizes, which the call signature checks), and each call has an
-ARRIVE barrier. Rank 0 publishes the choice before it starts call ``2·TRIALS``; a rank that starts call
-``2·TRIALS + 1`` has passed that call's ARRIVE barrier, so it has seen rank 0's ARRIVE flag and, stored
-before it, the choice (the flag's release/acquire ordering of :mod:`paratrain.comm.shm`). Were the ranks
-ever to disagree, the call signature (the direct path marks its root -2) would raise the same
-``ValueError`` on every rank instead of corrupting memory.
+**Why every rank takes the same path.** A call is counted only once it has succeeded, on every rank that
+made it, whatever the device of its tensors (a rank whose tensor is not on the CPU takes the slots; if the
+others took the direct path, the call signature, where the direct path marks its root -2, raises the same
+``ValueError`` on every rank and nobody counts it). Every rank makes the same calls, so the counts agree;
+and every counted call has an ARRIVE barrier (calls that move no bytes are not counted). Rank 0
+publishes the choice before it starts call ``2·TRIALS``; a rank that starts call ``2·TRIALS + 1`` has
+passed that call's ARRIVE barrier, so it has seen rank 0's ARRIVE flag and, stored before it, the choice
+(the flag's release/acquire ordering of :mod:`paratrain.comm.shm`).
 
-Rank 0's own time stands for the group's: both paths end in a barrier (DONE, REDUCED), so a call's time
-on rank 0 includes its slowest peer. The fastest of ``TRIALS`` calls is taken, not the mean: the late
-arrival of a rank that waited for a core lands on either path alike, and a first call's page faults
-(slots touched for the first time) on one.
+**What a trial measures.** Rank 0's own time of the call stands for the group's. The direct path ends in
+a DONE barrier, so its time includes the slowest peer; the slots paths of broadcast, all_gather and
+reduce_scatter end at their last ARRIVE barrier, before the peers have copied out, so a trial on the slots
+ends with a DONE barrier too (trials only), or rank 0 would time the slots without the peers' copies and
+charge them to the next call. The fastest of ``TRIALS`` calls is taken, not the mean: the late arrival of
+a rank that waited for a core lands on either path alike, and a first call's page faults (slots touched
+for the first time) on one. Calls with tensors off the CPU are counted but not timed.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ warms up this many)."""
 FUNCTIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 """The collectives that have both paths; one header word each."""
 _MAX_CLASS = 30  # two bits per class in a 64-bit word (62 bits used)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One call of a size class that is still being counted: its class and its index among them."""
+
+    key: tuple[int, int]
+    index: int
 
 
 @dataclass
@@ -81,53 +93,57 @@ class PathTuner:
         (``[2^k, 2^(k+1))``); capped."""
         return min(_MAX_CLASS, max(0, nbytes.bit_length() - self._base))
 
-    def pick(self, function: str, nbytes: int) -> tuple[bool, tuple[int, int] | None]:
-        """The path of this call (``True``: direct) and, for a trial call, the key to :meth:`record`."""
+    def pick(self, function: str, nbytes: int) -> tuple[bool, Ticket | None]:
+        """The path of this call (``True``: direct) and, while its class is still counting calls, the
+        ticket to hand to :meth:`done` once the call has succeeded. Nothing is counted here: a call that
+        raises (a mismatch, after which the group stays usable) must not advance one rank's count."""
         if nbytes <= self.min_bytes:
             return False, None
         key = (FUNCTIONS.index(function), self.size_class(nbytes))
         c = self._classes.setdefault(key, _Class())
         if c.direct is not None:
             return c.direct, None
-        calls, c.calls = c.calls, c.calls + 1
-        if calls < 2 * TRIALS:
-            return calls % 2 == 1, key
-        if calls == 2 * TRIALS:
-            return nbytes > self.static_min_bytes, None
+        index = c.calls
+        if index < 2 * TRIALS:
+            return index % 2 == 1, Ticket(key, index)
+        if index == 2 * TRIALS:
+            return nbytes > self.static_min_bytes, Ticket(key, index)
         bits = int(self.words[key[0]]) >> (2 * key[1])
         if not bits & 1:  # cannot happen while every rank makes the same calls (the signature checks)
             raise RuntimeError(
                 f"shm {function}: rank 0 has not published the path of size class {key[1]} after "
-                f"{calls} calls; the ranks have not made the same sequence of calls."
+                f"{index} calls; the ranks have not made the same sequence of calls."
             )
         c.direct = bool(bits & 2)
         return c.direct, None
 
-    def undo(self, function: str, nbytes: int) -> None:
-        """Take back the count of a call that :meth:`pick` let through and that then raised a mismatch
-        (the ranks disagreed on the call; every rank raises it at the same call, and the group stays
-        usable), so that the counts still agree on every rank."""
-        if nbytes <= self.min_bytes:
+    def done(self, ticket: Ticket, took_direct: bool, seconds: float | None) -> None:
+        """The call of ``ticket`` succeeded on every rank, taking the direct path or not: count it, and
+        keep its time (``None``: not timed, e.g. a tensor off the CPU) when it was a trial that took the
+        path its trial stands for. After its last trial rank 0 publishes the path with the faster call
+        (the slots when it has no timed call of the direct path), before it starts its next call."""
+        c = self._classes[ticket.key]
+        c.calls += 1
+        if ticket.index >= 2 * TRIALS:
             return
-        c = self._classes.get((FUNCTIONS.index(function), self.size_class(nbytes)))
-        if c is not None and c.direct is None and c.calls:
-            c.calls -= 1
-
-    def record(self, key: tuple[int, int], direct: bool, seconds: float) -> None:
-        """A trial call took ``seconds``; rank 0 publishes the choice after the last trial."""
-        c = self._classes[key]
-        c.times[direct].append(seconds)
-        if self.rank != 0 or len(c.times[False]) < TRIALS or len(c.times[True]) < TRIALS:
+        if seconds is not None and took_direct == (ticket.index % 2 == 1):
+            c.times[took_direct].append(seconds)
+        if self.rank != 0 or ticket.index != 2 * TRIALS - 1:
             return
-        direct = min(c.times[True]) < min(c.times[False])
-        f, k = key
-        word = int(self.words[f]) | ((1 | (2 if direct else 0)) << (2 * k))
-        self.words[f] = word  # rank 0's own line: only it writes there
+        slots, direct = c.times[False], c.times[True]
+        choice = bool(direct) and (not slots or min(direct) < min(slots))
+        f, k = ticket.key
+        self.words[f] = int(self.words[f]) | ((1 | (2 if choice else 0)) << (2 * k))  # only rank 0 writes
         # rank 0 too takes the choice only from call 2·TRIALS + 1 on, reading it back like every rank
+
+    def is_trial(self, ticket: Ticket) -> bool:
+        return ticket.index < 2 * TRIALS
 
     def path(self, function: str, nbytes: int) -> str | None:
         """``"direct"`` or ``"slots"``: the path a call of ``function`` on ``nbytes`` takes once tuned (slots
         at or below ``min_bytes``); ``None`` while its class is still being measured."""
+        if function not in FUNCTIONS:
+            raise ValueError(f"shm path: {function!r} is not one of the tuned collectives {FUNCTIONS}")
         if nbytes <= self.min_bytes:
             return "slots"
         low = {self.size_class(k): v for k, v in self.decisions().get(function, {}).items()}

@@ -161,11 +161,11 @@ from paratrain.comm._shm_segment import (
     DIRECT_MIN_BYTES,
     IN_PLACE_BLOCK_BYTES,
     SMALL_BYTES,
-    _Mismatch,
     _Segment,
     transport_storages,
 )
 from paratrain.comm._shm_sys import SEGMENT_PREFIX
+from paratrain.comm._shm_tune import FUNCTIONS as TUNED_FUNCTIONS
 from paratrain.comm.shm_hier import (
     HierarchicalAllReduce,
     hierarchical_all_reduce,
@@ -332,7 +332,9 @@ class ShmCommunicator(_Segment):
             return out
         src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
         dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        with self._call("reduce_scatter"), self._route("reduce_scatter", src) as direct:
+        cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+        moves = any(b > a for a, b in bounds)
+        with self._call("reduce_scatter"), self._route("reduce_scatter", src, moves, cpu) as direct:
             if direct:
                 self._reduce_scatter_direct(src, list(bounds), op, dst.view(-1))
             else:
@@ -400,7 +402,9 @@ class ShmCommunicator(_Segment):
             dst.view(-1)[lo:hi].copy_(inp.reshape(-1))
         else:
             src = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
-            with self._call("all_gather"), self._route("all_gather", dst) as direct:
+            cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+            moves = any(b > a for a, b in bounds)
+            with self._call("all_gather"), self._route("all_gather", dst, moves, cpu) as direct:
                 if direct:
                     self._all_gather_direct(src, list(bounds), dst.view(-1))
                 else:
@@ -471,32 +475,46 @@ class ShmCommunicator(_Segment):
     # -- the direct path (cross-memory attach) ---------------------------------------------------------
 
     @contextmanager
-    def _route(self, function: str, t: torch.Tensor, eligible: bool = True) -> Iterator[bool]:
-        """Yield whether this call takes the direct path, and time it when it is a tuning trial
-        (:mod:`._shm_tune`; inside :meth:`_call`, so a refused call counts nothing). The same on every rank
-        for the same call (sizes agree; a disagreement on the device is caught by the call signature,
-        which marks the direct path with root -2)."""
+    def _route(
+        self, function: str, t: torch.Tensor, eligible: bool = True, on_cpu: bool | None = None
+    ) -> Iterator[bool]:
+        """Yield whether this call takes the direct path (inside :meth:`_call`). ``t``: the tensor whose
+        size every rank agrees on; ``eligible``: the call has a direct path and moves bytes; ``on_cpu``:
+        every tensor of the call on this rank is on the CPU (default: ``t``'s). With tuning
+        (:mod:`._shm_tune`) a call of a class still being counted is counted once it has succeeded, a
+        trial is timed, and a trial on the slots ends with a DONE barrier, as the direct path does, so
+        that both measure the group. A rank with a tensor off the CPU takes the slots; if its peers took
+        the direct path, the call signature (root -2 there) raises the same error on every rank."""
         nbytes = t.numel() * _esize(t.dtype)
-        if not (eligible and self.direct and t.device.type == "cpu"):
+        cpu = t.device.type == "cpu" if on_cpu is None else on_cpu
+        if not (eligible and self.direct):
             yield False
         elif self._tuner is None:
-            yield nbytes > self.direct_min_bytes
+            yield cpu and nbytes > self.direct_min_bytes
         else:
-            direct, trial = self._tuner.pick(function, nbytes)
-            start = self._tuner.clock() if trial is not None else 0.0
-            try:
-                yield direct
-            except _Mismatch:  # every rank raises it at this call: uncount it, so the counts still agree
-                self._tuner.undo(function, nbytes)
-                raise
-            if trial is not None:
-                self._tuner.record(trial, direct, self._tuner.clock() - start)
+            tuner = self._tuner
+            direct, ticket = tuner.pick(function, nbytes)
+            take = direct and cpu
+            start = tuner.clock() if ticket is not None and tuner.is_trial(ticket) and cpu else None
+            yield take
+            if ticket is not None:
+                if tuner.is_trial(ticket) and not take:
+                    what = (function, 0, 1)
+                    self._publish(_DONE, self._seq)
+                    self._wait(_DONE, self._seq, what)
+                tuner.done(ticket, take, None if start is None else tuner.clock() - start)
 
     def path(self, function: str, nbytes: int) -> str:
-        """The path a CPU call of ``function`` (``all_reduce``, ``reduce_scatter``, ``all_gather`` or
-        ``broadcast``) on a tensor of ``nbytes`` takes now: ``"direct"``, ``"slots"``, or ``"tuning"``
-        while its size class is still being measured (all_gather: the output's bytes; reduce_scatter: the
-        input's)."""
+        """The path a CPU call of ``function`` (``all_reduce``, ``reduce_scatter``, ``all_gather``,
+        ``broadcast``; ``reduce`` always takes the slots) on a tensor of ``nbytes`` takes now: ``"direct"``,
+        ``"slots"``, or ``"tuning"`` while its size class is still being measured (all_gather: the
+        output's bytes; reduce_scatter: the input's)."""
+        if function == "reduce":
+            return "slots"
+        if function not in TUNED_FUNCTIONS:
+            raise ValueError(
+                f"shm path: {function!r} is not a collective of shm ({', '.join(TUNED_FUNCTIONS)}, reduce)"
+            )
         if not self.direct or self.size == 1:
             return "slots"
         if self._tuner is None:

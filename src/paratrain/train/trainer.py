@@ -416,7 +416,11 @@ class Trainer:
             st.step, {"step": st.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True}
         )
         ckpt_path = self.lifecycle.finish(steps_run)  # final save, and wait for any async save in flight
-        mem = torch.tensor([model_state_bytes(self.model, self.optimizer), peak or 0], dtype=torch.int64)
+        mem = torch.tensor(  # on the backend's device: NCCL has no CPU tensors
+            [model_state_bytes(self.model, self.optimizer), peak or 0],
+            dtype=torch.int64,
+            device=self.ctx.device,
+        )
         if self.ctx.distributed:
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the largest rank's figures
         state_bytes, peak_bytes = int(mem[0]), (int(mem[1]) or None) if peak is not None else None
