@@ -223,10 +223,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+EXIT_GRACE_S = 0.05
+"""How long :func:`shutdown` sleeps after destroying the process group (see there)."""
+
+
 def shutdown() -> None:
-    """Destroy the process group if one exists. Safe to call twice."""
+    """Destroy the process group if one exists. Safe to call twice.
+
+    Then it sleeps ``EXIT_GRACE_S``, which releases the GIL. A Gloo worker thread drops its reference to a
+    finished collective after the caller's ``wait()`` has returned, and when that reference is the last
+    one, freeing the collective's tensors takes the GIL. Objects that outlive ``destroy_process_group``
+    (a DeviceMesh holds its groups) keep those threads alive. A process that reaches interpreter
+    finalization while such a thread still waits for the GIL aborts ("terminate called without an active
+    exception", SIGABRT). That was seen in CI, in a rank of ``examples/fsdp_mnist.py``. The sleep lets the
+    thread finish first."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(EXIT_GRACE_S)
 
 
 def print0(*args: Any, ctx: Context | None = None, **kwargs: Any) -> None:
