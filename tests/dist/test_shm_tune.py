@@ -8,27 +8,20 @@ when the others measured the opposite (scripted clocks), and the call after the 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import _shm_sys, shm
+from paratrain.comm import shm
 from paratrain.comm._shm_tune import CALLS, TRIALS
 from paratrain.testing import run_distributed
+from tests.dist.test_shm import _direct_possible
 
 pytestmark = pytest.mark.dist
 
 SIZES = [(300 << 10) // 4, (1 << 20) // 4 + 5, (3 << 20) // 4]  # float32 elements: three size classes
-
-
-def _direct_possible() -> bool:
-    try:
-        return _shm_sys._VM is not None and int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text()) < 2
-    except (OSError, ValueError):
-        return _shm_sys._VM is not None
 
 
 def every_collective_through_the_tuning() -> dict[str, Any]:
@@ -270,7 +263,7 @@ def one_call_with_a_gpu_tensor() -> dict[str, Any]:
         except ValueError as e:
             results.append("mismatch" if "disagree on the call" in str(e) else str(e))
     gathered = c.all_gather(torch.empty(2 * numel), torch.full((numel,), float(rank), device="cuda"))
-    out = {"results": results, "paths": c.tuned_paths(), "gathered": gathered.tolist()[:: numel]}
+    out = {"results": results, "paths": c.tuned_paths(), "gathered": gathered.tolist()[::numel]}
     c.close()
     return out
 
