@@ -11,6 +11,7 @@ Reference: https://pytorch.org/docs/stable/distributed.html#initialization
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import json
@@ -151,6 +152,7 @@ def init(
 
     use_pg = "MASTER_ADDR" in os.environ and world_size >= 1 and "RANK" in os.environ
     if use_pg and not dist.is_initialized():
+        install_exit_grace()
         kwargs: dict[str, Any] = {
             "backend": backend,
             "timeout": datetime.timedelta(seconds=timeout_s),
@@ -223,23 +225,42 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-EXIT_GRACE_S = 0.05
-"""How long :func:`shutdown` sleeps after destroying the process group (see there)."""
+EXIT_GRACE_S = 0.1
+"""How long the exit grace (:func:`install_exit_grace`) sleeps before interpreter finalization."""
+
+_exit_grace_installed = False
+
+
+def install_exit_grace() -> None:
+    """Make this process sleep ``EXIT_GRACE_S`` at exit, after every other ``atexit`` handler. Idempotent.
+
+    Why: a Gloo worker thread drops its reference to a collective after the caller saw it finish. When
+    that reference is the last one and the collective's tensor wraps a Python object (the pickled bytes
+    of ``broadcast_object_list`` / ``all_gather_object``, any ``torch.frombuffer`` tensor), freeing it
+    takes the GIL. The thread outlives ``destroy_process_group`` whenever something still holds the
+    group (a DDP model, a DeviceMesh). If the main thread reaches interpreter finalization first, Python
+    3.11 ends the waiting thread with ``pthread_exit``, whose unwinding through a ``noexcept`` destructor
+    calls ``std::terminate``: the rank dies with SIGABRT ("terminate called without an active
+    exception") after the script succeeded. The sleep releases the GIL so the thread finishes first.
+
+    :func:`init` installs it; so does ``paratrain launch --guard`` for any script. A script under plain
+    ``paratrain launch`` or ``torchrun`` gets none: see docs/launch.md, "A rank aborts at exit"."""
+    global _exit_grace_installed
+    if not _exit_grace_installed:
+        # atexit runs handlers last-in first-out: registered before the script's own handlers (and the
+        # modules it imports), this one runs after them.
+        atexit.register(time.sleep, EXIT_GRACE_S)
+        _exit_grace_installed = True
 
 
 def shutdown() -> None:
     """Destroy the process group if one exists. Safe to call twice.
 
-    Then it sleeps ``EXIT_GRACE_S``, which releases the GIL. A Gloo worker thread drops its reference to a
-    finished collective after the caller's ``wait()`` has returned, and when that reference is the last
-    one, freeing the collective's tensors takes the GIL. Objects that outlive ``destroy_process_group``
-    (a DeviceMesh holds its groups) keep those threads alive. A process that reaches interpreter
-    finalization while such a thread still waits for the GIL aborts ("terminate called without an active
-    exception", SIGABRT). That was seen in CI, in a rank of ``examples/fsdp_mnist.py``. The sleep lets the
-    thread finish first."""
+    The grace that keeps a Gloo worker thread from aborting the process at exit is an ``atexit`` handler
+    (:func:`install_exit_grace`, installed by :func:`init`), so it also covers a run that never gets
+    here."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        time.sleep(EXIT_GRACE_S)
 
 
 def print0(*args: Any, ctx: Context | None = None, **kwargs: Any) -> None:

@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     from paratrain.diagnose.guard.desync import GuardError
     from paratrain.diagnose.guard.hooks import Guard
     from paratrain.diagnose.guard.record import EXITED, FAILED
+    from paratrain.runtime import install_exit_grace
 
+    install_exit_grace()  # before the script registers its own atexit handlers, so it runs after them
     guard = Guard(opts.guard_dir, opts.hang_timeout, opts.check_desync_every, True if opts.store else None)
     guard.install()
     sys.argv = [target, *script_args]
