@@ -43,6 +43,7 @@ from torch.nn import functional as F
 from paratrain.config import DataConfig
 from paratrain.data import DistributedBatchSampler, build_dataset
 from paratrain.models.llama import build_llama
+from paratrain.runtime import install_exit_grace
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", default="llama-debug", help="a Llama preset: llama-debug, llama-small")
@@ -65,6 +66,7 @@ device_type = "cuda" if torch.cuda.is_available() else "cpu"
 if device_type == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+install_exit_grace()  # the mesh keeps Gloo's threads past destroy: let them finish before exit (docs/launch.md)
 rank, world = dist.get_rank(), dist.get_world_size()
 if world % args.tp:
     raise SystemExit(f"--tp {args.tp} does not divide the {world} processes")
