@@ -243,8 +243,9 @@ def install_exit_grace() -> None:
     calls ``std::terminate``: the rank dies with SIGABRT ("terminate called without an active
     exception") after the script succeeded. The sleep releases the GIL so the thread finishes first.
 
-    :func:`init` installs it; so does ``paratrain launch --guard`` for any script. A script under plain
-    ``paratrain launch`` or ``torchrun`` gets none: see docs/launch.md, "A rank aborts at exit"."""
+    :func:`init` installs it, as does the first ``paratrain.comm`` call on a Gloo group (shm included);
+    so does ``paratrain launch --guard`` for any script. Any other script under plain ``paratrain
+    launch`` or ``torchrun`` gets none: see docs/launch.md, "A rank aborts at exit"."""
     global _exit_grace_installed
     if not _exit_grace_installed:
         # atexit runs handlers last-in first-out: registered before the script's own handlers (and the

@@ -126,6 +126,9 @@ def check_world(members: list[int] | None = None) -> dict[str, Any]:
     if members is not None and dist.get_rank() not in members:
         return {"failures": [], "count": 0}
     p = peers("test", group)
+    # On Gloo the messages go through the group's Gloo backend object (not through the dispatcher), so
+    # every case below checks that path.
+    assert type(p.p2p).__name__ == "ProcessGroupGloo", p.p2p
     ranks = members if members is not None else list(range(p.size))
     failures, count, i = [], 0, 0
     for k, (fn, alg, op) in enumerate(_cases()):

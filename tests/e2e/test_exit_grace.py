@@ -5,8 +5,8 @@ that wraps a Python buffer and drops every Python reference to it, so the Gloo w
 last one and needs the GIL to free it. Rank 0 then keeps the GIL (a pure-Python spin, a 10 s switch
 interval) until rank 1 says the collective is over, and exits. Without a grace the worker thread is still
 waiting for the GIL at interpreter finalization, and the process dies with SIGABRT (rank 1, which exits
-right after its own collective, often does too). The control run shows that; the other two show that
-``runtime.init`` and ``launch --guard`` install the grace.
+right after its own collective, often does too). The control run shows that; the others show that
+``runtime.init``, a ``paratrain.comm`` call and ``launch --guard`` install the grace.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ if sys.argv[1] == "runtime":
     init(device="cpu")
 else:
     dist.init_process_group("gloo")
+if sys.argv[1] == "comm":
+    from paratrain import comm
+    comm.all_reduce(torch.ones(2), algorithm="ring")
 flag = "flag.bin"
 if dist.get_rank() == 0:
     with open(flag, "wb") as f:
@@ -72,6 +75,13 @@ def test_without_a_grace_the_rank_aborts_at_exit(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_runtime_init_installs_the_exit_grace(tmp_path: Path) -> None:
     rc, out = launch(tmp_path, "runtime")
+    assert rc == 0, out
+    assert "terminate called" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_a_paratrain_comm_call_installs_the_exit_grace(tmp_path: Path) -> None:
+    rc, out = launch(tmp_path, "comm")
     assert rc == 0, out
     assert "terminate called" not in out, out
 
