@@ -403,8 +403,9 @@ class LaunchConfig:
     """Process-group backend: ``auto`` (NCCL with CUDA, else Gloo), ``gloo`` or ``nccl``."""
     timeout_s: float = option(300.0, flag="--timeout")
     """Process-group timeout in seconds: a collective waiting longer fails, naming what it waited for."""
-    device: str = option("auto", choices=("auto", "cpu", "cuda"))
-    """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    device: str = option("auto", scope=_BOTH, choices=("auto", "cpu", "cuda"))
+    """``auto`` (CUDA when present), ``cpu`` or ``cuda``. Under ``launch`` the script picks its own device;
+    there ``cpu`` only lifts the one-process-per-GPU check (and the default of one worker per GPU)."""
     cpu_bind: str = option("none", scope=_BOTH, choices=("none", "cores"))
     """``cores``: pin each worker to its own equal block of the cores the launcher may use (its CPU affinity,
     so a Slurm cpuset or ``taskset`` holds), local rank r on block r, with ``OMP_NUM_THREADS`` the block's

@@ -59,7 +59,8 @@ else:
 def launch(tmp_path: Path, mode: str, *flags: str) -> tuple[int, str]:
     script = tmp_path / "exit_race.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "paratrain", "launch", *flags, "--nproc-per-node", "2", str(script), mode]
+    cmd = [sys.executable, "-m", "paratrain", "launch", *flags, "--device", "cpu", "--nproc-per-node", "2",
+           str(script), mode]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=100)
     return proc.returncode, proc.stdout + proc.stderr
 

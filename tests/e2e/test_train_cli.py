@@ -138,6 +138,23 @@ def test_more_processes_than_gpus_is_rejected(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.cuda
+@pytest.mark.timeout(90)
+def test_launch_device_cpu_lifts_the_gpu_count_check(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA machine: on CPU there is no GPU count to exceed")
+    n = torch.cuda.device_count() + 1
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nsys.stdout.write('hello from rank ' + os.environ['RANK'] + '\\n')\n")
+    refused = run_cli("launch", "--nproc-per-node", str(n), str(script), cwd=tmp_path, check=False)
+    assert refused.returncode != 0 and "or run on the CPU with --device cpu" in refused.stderr, refused.stderr
+    ran = run_cli("launch", "--device", "cpu", "--nproc-per-node", str(n), str(script), cwd=tmp_path)
+    assert ran.stdout.count("hello from rank") == n, ran.stdout
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_failing_worker_is_reported_by_rank(tmp_path: Path) -> None:
     script = tmp_path / "boom.py"

@@ -280,6 +280,10 @@ def test_cli_sbatch_passes_the_agents_flags_on_and_refuses_the_ones_it_sets(
         assert flags[0] in err and instead in err, err
     assert main(["launch", "--slurm", "--guard", "train"]) == 2
     assert "Put train's flags after `train`" in capsys.readouterr().err
+    # --device is an agent's flag under launch too (a CPU job on GPU nodes)
+    assert main(["launch", "--slurm", "--device", "cpu", "train.py"]) == 0
+    srun = capsys.readouterr().out.split("srun ", 1)[1]
+    assert "--device cpu \\" in srun and srun.index("--device cpu") < srun.index("train.py"), srun
 
 
 def test_launch_config_standalone_is_loopback_and_multinode_needs_endpoint(

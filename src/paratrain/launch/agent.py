@@ -62,10 +62,9 @@ def preflight(launch: LaunchConfig) -> None:
     if launch.device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda was asked for, but no CUDA GPU is visible. Use --device cpu.")
     if uses_cuda and nproc > gpus:
-        on_cpu = ", or run on CPU with --device cpu" if launch.device == "cuda" else ""
         raise ConfigError(
             f"--nproc-per-node {nproc} but this machine has {gpus} GPU(s): start at most one process per GPU "
-            f"(--nproc-per-node {gpus}){on_cpu}."
+            f"(--nproc-per-node {gpus}), or run on the CPU with --device cpu."
         )
     if launch.backend == "nccl" and not uses_cuda:
         raise ConfigError(

@@ -122,7 +122,7 @@ def srun_flags(given: Mapping[str, Any], guard: Sequence[str] = ()) -> list[str]
                 f"--slurm with {flag} {value}: the sbatch script sets {flag} itself from the allocation; {how}."
             )
     out = list(guard)
-    for key in ("rdzv_conf", "cpu_bind"):
+    for key in ("rdzv_conf", "cpu_bind", "device"):
         if given.get(key) is not None:
             out += ["--" + key.replace("_", "-"), str(given[key])]
     return out
