@@ -232,7 +232,7 @@ _exit_grace_installed = False
 
 
 def install_exit_grace() -> None:
-    """Make this process sleep ``EXIT_GRACE_S`` at exit, after every other ``atexit`` handler. Idempotent.
+    """Make this process sleep ``EXIT_GRACE_S`` at exit, just before interpreter finalization. Idempotent.
 
     Why: a Gloo worker thread drops its reference to a collective after the caller saw it finish. When
     that reference is the last one and the collective's tensor wraps a Python object (the pickled bytes
@@ -248,8 +248,8 @@ def install_exit_grace() -> None:
     launch`` or ``torchrun`` gets none: see docs/launch.md, "A rank aborts at exit"."""
     global _exit_grace_installed
     if not _exit_grace_installed:
-        # atexit runs handlers last-in first-out: registered before the script's own handlers (and the
-        # modules it imports), this one runs after them.
+        # atexit runs handlers last-in first-out, so this one runs after every handler registered later:
+        # under ``launch --guard`` that is all of the script's. All of them run before finalization.
         atexit.register(time.sleep, EXIT_GRACE_S)
         _exit_grace_installed = True
 
