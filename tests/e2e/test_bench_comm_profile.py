@@ -65,3 +65,28 @@ def test_profile_ring_groups_perf_report_lines() -> None:
         assert m is not None, line
         assert prof._category(m.group(3), m.group(4), m.group(5)) == category, line
     assert prof.LINE.match("# Samples: 19K of event 'cpu-clock:ppp'") is None
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_ring_variants_are_exact_and_write_json(tmp_path: Path) -> None:
+    # 3 ranks and a size that does not divide evenly: uneven chunks, and the smallest pieces are one element
+    out = tmp_path / "variants.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_ring_variants.py"), "--ranks", "3", "--bytes",
+           "40004", "--runs", "1", "--iters", "2", "--warmup", "0", "--json", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=140, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == doc
+    assert doc["ranks"] == 3 and doc["bytes"] == 40004
+    (run,) = doc["runs"]
+    variants = run["variants"]
+    assert set(variants) == {"native", "ring", "ring-slot-sums", "ring-slot-sums-kept", "ring-bidir"}
+    for name, row in variants.items():
+        assert row["exact"] is True, name  # each all-reduce equals Gloo's before it is timed
+        assert row["time_s"] > 0 and row["cpu_s_all_ranks"] > 0
+    assert variants["native"]["vs_native"] == 1.0
+    bad = subprocess.run([*cmd[:2], "--variants", "ring,nope"], capture_output=True, text=True, timeout=60,
+                         check=False)  # fmt: skip
+    assert bad.returncode != 0 and "nope" in bad.stderr
