@@ -23,7 +23,7 @@ minor page faults and voluntary context switches per call (``getrusage``).
 
     python benchmarks/bench_ring_variants.py --json                    # 16 MB, 4 ranks, 5 runs
     python benchmarks/bench_ring_variants.py --json --back-to-back 5 \\
-        --out benchmarks/results/ring16_variants_b2b.json             # 5 calls per sample
+        --out benchmarks/results/ring_variants_16mb_b2b.json             # 5 calls per sample
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _worker(
     torch.set_num_threads(1)
     p, rank = peers("bench", None), dist.get_rank()
     x = torch.zeros(nbytes // 4)
-    kept = torch.empty(nbytes, dtype=torch.uint8)  # (n-1)/n of the tensor at most
+    kept = torch.empty(2 * nbytes + 256, dtype=torch.uint8)  # (n-1)/n of the tensor, plus uneven chunks
     calls = {
         "native": lambda: dist.all_reduce(x),
         "ring": lambda: ring.all_reduce(x, "sum", p),
@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--back-to-back", type=int, default=1, metavar="K", help="K calls in a row per sample")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--json", action="store_true", help="print the JSON and write it to --out")
-    ap.add_argument("--out", type=Path, default=RESULTS / "ring16_variants.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "ring_variants_16mb.json")
     args = ap.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in VARIANTS]

@@ -70,7 +70,7 @@ def test_profile_ring_groups_perf_report_lines() -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_ring_variants_are_exact_and_write_json(tmp_path: Path) -> None:
-    # 3 ranks and a size that does not divide evenly: uneven chunks, and the smallest pieces are one element
+    # 3 ranks and 10,001 floats: chunks of uneven length
     out = tmp_path / "variants.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_ring_variants.py"), "--ranks", "3", "--bytes",
            "40004", "--runs", "1", "--iters", "2", "--warmup", "0", "--json", "--out", str(out)]  # fmt: skip
