@@ -8,6 +8,13 @@ schedule MemTracker cannot follow). The prediction comes from
 --optimizer adamw``. The parameter count of the planner's model is asserted equal to the run's.
 
     python benchmarks/bench_plan.py [--quick] [--nproc 2 4] [--json benchmarks/results/plan_vs_measured.json]
+
+On a GPU machine, ``--device cuda`` trains on the GPUs through NCCL (one process per GPU) and adds the CUDA
+caching allocator's own peak over the training steps (``cuda_peak_allocated_bytes_per_rank``), which sees
+every allocation MemTracker does not (cuBLAS workspaces, torch DDP's C++ buckets), to each row:
+
+    python benchmarks/bench_plan.py --device cuda --nproc 1 --models mlp llama-debug llama-small --quick \
+        --json benchmarks/results/plan_vs_cuda.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,21 @@ MODELS = {
         ],
         "plan": ["--model", "llama-debug", "--seq-len", "64"],
     },
+    "llama-small": {  # 25M parameters: model states of ~400 MB, activations of ~100s of MB at batch 8
+        "train": [
+            "--model",
+            "llama-small",
+            "--data",
+            "python-stdlib",
+            "--set",
+            "data.max_bytes=2000000",
+            "--seq-len",
+            "256",
+            "--batch-size",
+            "8",
+        ],
+        "plan": ["--model", "llama-small", "--seq-len", "256", "--batch-size", "8"],
+    },
 }
 STRATEGIES = {  # name -> extra flags shared by train and plan (n = ranks)
     "ddp": lambda n: ["--strategy", "ddp"],
@@ -62,8 +84,9 @@ TRANSFORMER_ONLY = {"tp", "pp", "fsdp+tp", "fsdp+pp"}
 FOUR_RANKS_ONLY = {"fsdp+tp", "fsdp+pp"}
 
 
-def measure(model: str, strategy: str, nproc: int, steps: int, timeout: float) -> dict:
-    argv = [*MODELS[model]["train"], *STRATEGIES[strategy](nproc)]
+def measure(model: str, strategy: str, nproc: int, steps: int, timeout: float, device: str = "cpu") -> dict:
+    argv = [*MODELS[model]["train"], *STRATEGIES[strategy](nproc), "--device", device]
+    argv += ["--backend", "nccl" if device == "cuda" else "gloo"]
     with tempfile.TemporaryDirectory(prefix="bench_plan_") as run_dir:
         cmd = [
             sys.executable,
@@ -117,6 +140,12 @@ def predict(model: str, strategy: str, nproc: int) -> tuple[dict, int]:
     return {"argv": argv, "plan": plan}, int(num_params)
 
 
+def _gpu_name() -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="mlp and llama-debug, ddp/zero1/zero2/zero3 only")
@@ -125,6 +154,9 @@ def main() -> int:
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="train on the CPU (Gloo) or GPUs"
+    )
     ap.add_argument("--json", metavar="PATH", nargs="?", const="benchmarks/results/plan_vs_measured.json")
     args = ap.parse_args()
     strategies = ["ddp", "zero1", "zero2", "zero3"] if args.quick else args.strategies
@@ -145,7 +177,7 @@ def main() -> int:
                     rows.append(row)
                     print(row, flush=True)
                     continue
-                meas = measure(model, strategy, nproc, args.steps, args.timeout)
+                meas = measure(model, strategy, nproc, args.steps, args.timeout, args.device)
                 row.update({"predicted": pred, "measured": meas})
                 if "summary" in meas:
                     s, p = meas["summary"], pred["plan"]
@@ -168,6 +200,10 @@ def main() -> int:
                     )
                     row["state_ratio"] = row["state_pred"] / row["state_meas"]
                     row["peak_ratio"] = row["peak_pred"] / row["peak_meas"] if row["peak_meas"] else None
+                    cuda_peak = s.get("cuda_peak_allocated_bytes_per_rank")
+                    row["cuda_peak_meas"] = cuda_peak
+                    row["cuda_reserved_meas"] = s.get("cuda_peak_reserved_bytes_per_rank")
+                    row["cuda_peak_ratio"] = row["peak_pred"] / cuda_peak if cuda_peak else None
                     row["state_ok"] = abs(row["state_ratio"] - 1) <= 0.05
                     row["peak_ok"] = row["peak_ratio"] is not None and abs(row["peak_ratio"] - 1) <= 0.15
                 else:
@@ -176,6 +212,7 @@ def main() -> int:
                 print(
                     f"{model:12s} {strategy:8s} n={nproc} state {row.get('state_pred')} / "
                     f"{row.get('state_meas')} peak {row.get('peak_pred')} / {row.get('peak_meas')} "
+                    f"(allocator {row.get('cuda_peak_meas')}) "
                     f"({meas.get('wall_s', 0):.0f}s) {row.get('error', '')[:300]}",
                     flush=True,
                 )
@@ -195,10 +232,13 @@ def main() -> int:
             f" {r['state_meas']:>11,d} {r['state_ratio']:>6.3f} {r['peak_pred']:>10,d}"
             f" {r['peak_meas'] or 0:>10,d} {pr:>6s}  {'ok' if r['state_ok'] else 'MISS'} / "
             f"{'ok' if r['peak_ok'] else ('n/a' if r['peak_ratio'] is None else 'MISS')}"
+            + (f"  plan / allocator peak {r['cuda_peak_ratio']:.3f}" if r.get("cuda_peak_ratio") else "")
         )
     if args.json:
         out = {
             "benchmark": "plan_vs_measured",
+            "device": args.device,
+            "gpu": _gpu_name() if args.device == "cuda" else None,
             "steps": args.steps,
             "load_avg_start": load0,
             "load_avg_end": os.getloadavg(),

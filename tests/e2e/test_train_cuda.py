@@ -40,3 +40,9 @@ def test_one_gpu_through_nccl_matches_the_cpu(tmp_path: Path, strategy: str) -> 
     assert gpu["losses"] == pytest.approx(cpu["losses"], rel=1e-3, abs=1e-4)
     assert gpu["model_state_bytes_per_rank"] == cpu["model_state_bytes_per_rank"] > 0
     assert gpu["param_norm"] == pytest.approx(cpu["param_norm"], rel=1e-3)
+    # the allocator's own peak: at least the model states it holds at rest, and reserved covers allocated
+    alloc, reserved = gpu["cuda_peak_allocated_bytes_per_rank"], gpu["cuda_peak_reserved_bytes_per_rank"]
+    assert reserved >= alloc >= gpu["model_state_bytes_per_rank"], (alloc, reserved)
+    assert (
+        cpu["cuda_peak_allocated_bytes_per_rank"] is None and cpu["cuda_peak_reserved_bytes_per_rank"] is None
+    )

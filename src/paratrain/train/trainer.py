@@ -346,6 +346,9 @@ class Trainer:
         logged = st.losses
         bar = _progress(self.ctx, t.progress, st.total_steps, start_step)
         self.ctx.synchronize()
+        on_cuda = self.ctx.device.type == "cuda"
+        if on_cuda:  # the caching allocator's peak over the training steps (not start-up, not evaluation)
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
         t0 = time.perf_counter()
         eval_time = 0.0
         self.lifecycle.install_signal_handlers()
@@ -400,6 +403,14 @@ class Trainer:
                     break
         self.lifecycle.restore_signal_handlers()
         self.ctx.synchronize()
+        cuda_peaks = (
+            [
+                torch.cuda.max_memory_allocated(self.ctx.device),
+                torch.cuda.max_memory_reserved(self.ctx.device),
+            ]
+            if on_cuda
+            else [0, 0]
+        )
         train_time = time.perf_counter() - t0 - eval_time - tracked_s
         if bar is not None:
             bar.close()
@@ -417,7 +428,7 @@ class Trainer:
         )
         ckpt_path = self.lifecycle.finish(steps_run)  # final save, and wait for any async save in flight
         mem = torch.tensor(  # on the backend's device: NCCL has no CPU tensors
-            [model_state_bytes(self.model, self.optimizer), peak or 0],
+            [model_state_bytes(self.model, self.optimizer), peak or 0, *cuda_peaks],
             dtype=torch.int64,
             device=self.ctx.device,
         )
@@ -440,6 +451,10 @@ class Trainer:
             "backend": self.ctx.backend,
             "topology": self.strategy.topology.degrees(),
             "peak_bytes_per_rank": peak_bytes,
+            # what the GPU's caching allocator saw (torch.cuda.max_memory_allocated / _reserved) over the
+            # training steps; null on the CPU. Allocated counts live tensors; reserved adds the cached blocks.
+            "cuda_peak_allocated_bytes_per_rank": int(mem[2]) if on_cuda else None,
+            "cuda_peak_reserved_bytes_per_rank": int(mem[3]) if on_cuda else None,
             "nonfinite_skipped_steps": self.nonfinite_skips,
         }
         if self.data.task == "lm":
