@@ -70,6 +70,14 @@ def _print_summary(s: dict[str, Any]) -> None:
         rows.insert(-3, ("tokens/s", f"{tps:,.0f}"))
     if s.get("peak_bytes_per_rank"):
         rows.insert(-2, ("peak / rank", f"{s['peak_bytes_per_rank'] / 2**20:.2f} MiB (during a step)"))
+    if s.get("cuda_peak_allocated_bytes_per_rank"):
+        alloc, reserved = (
+            s["cuda_peak_allocated_bytes_per_rank"],
+            s.get("cuda_peak_reserved_bytes_per_rank") or 0,
+        )
+        rows.insert(
+            -2, ("GPU peak / rank", f"{alloc / 2**20:.2f} MiB allocated, {reserved / 2**20:.2f} MiB reserved")
+        )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:>{width}}  {v}")
