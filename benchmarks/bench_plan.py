@@ -10,11 +10,12 @@ schedule MemTracker cannot follow). The prediction comes from
     python benchmarks/bench_plan.py [--quick] [--nproc 2 4] [--json benchmarks/results/plan_vs_measured.json]
 
 On a GPU machine, ``--device cuda`` trains on the GPUs through NCCL (one process per GPU) and adds the CUDA
-caching allocator's own peak over the training steps (``cuda_peak_allocated_bytes_per_rank``), which sees
-every allocation MemTracker does not (cuBLAS workspaces, torch DDP's C++ buckets), to each row:
+caching allocator's own peak over the training steps (``cuda_peak_allocated_bytes_per_rank``) to each row.
+It also counts what no tensor of the tracked step holds, such as the cuBLAS workspaces and ``dp``'s
+persistent buckets. The stored GPU run (BENCHMARKS.md, "On a GPU"):
 
-    python benchmarks/bench_plan.py --device cuda --nproc 1 --models mlp llama-debug llama-small --quick \
-        --json benchmarks/results/plan_vs_cuda.json
+    python benchmarks/bench_plan.py --device cuda --nproc 1 --models mlp llama-small --quick --steps 4 \
+        --json benchmarks/results/plan_vs_cuda_h200.json
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _gpu_name() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="mlp and llama-debug, ddp/zero1/zero2/zero3 only")
+    ap.add_argument("--quick", action="store_true", help="strategies ddp/zero1/zero2/zero3 only")
     ap.add_argument("--nproc", type=int, nargs="+", default=[2])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
