@@ -11,7 +11,10 @@ always right after ``native``:
 
 - ``native``: Gloo's own ``all_reduce``;
 - ``ring``: :func:`paratrain.comm.ring.all_reduce` as shipped (4 MiB pieces, at least 2 per chunk from
-  1 MiB: P = 2 at 16 MB, 4 at 64 MB);
+  1 MiB: P = 2 at 16 MB, 4 at 64 MB), over the ring's own TCP links (:mod:`paratrain.comm._tcp`) since
+  2026-11-27 (stop 30); the runs stored before that measured it over c10d's point-to-point;
+- ``ring-c10d``: the same ring over c10d's point-to-point (``ProcessGroup.send``/``recv`` of the Gloo
+  backend), as shipped until stop 30;
 - ``ring-1piece``: the ring before that rule (P = 1 at 16 MB: not pipelined);
 - ``ring-2MiB`` / ``ring-1MiB``: the same with 2 / 1 MiB pieces (P = 2 / 4 at 16 MB, pipelined, a window
   of 4 / 8 receives);
@@ -56,12 +59,13 @@ MB = 1 << 20
 VARIANTS = (
     "native",
     "ring",
+    "ring-c10d",
     "ring-1piece",
     "ring-2MiB",
     "ring-1MiB",
     "ring-no-reduction",
 )
-DEFAULT_VARIANTS = ("native", "ring", "ring-1piece", "ring-2MiB", "ring-1MiB")
+DEFAULT_VARIANTS = ("native", "ring", "ring-c10d", "ring-1piece", "ring-2MiB", "ring-1MiB")
 
 
 def _no_reduction(x: torch.Tensor, p: Any) -> None:
@@ -100,6 +104,7 @@ def _worker(
         calls = {
             "native": lambda x=x: dist.all_reduce(x),
             "ring": lambda x=x: ring.all_reduce(x, "sum", p),
+            "ring-c10d": lambda x=x: ring.all_reduce(x, "sum", p, links=False),
             "ring-1piece": lambda x=x: ring.all_reduce(x, "sum", p, min_pipelined_bytes=1 << 40),
             "ring-2MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=2 * MB),
             "ring-1MiB": lambda x=x: ring.all_reduce(x, "sum", p, piece_bytes=1 * MB),
@@ -201,6 +206,7 @@ def main() -> None:
                 flush=True,
             )
     result = {
+        "argv": sys.argv[1:], "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "ranks": args.ranks, "cores": os.cpu_count(), "iters": args.iters, "back_to_back": args.back_to_back,
         "runs": runs,
     }  # fmt: skip

@@ -8,20 +8,27 @@ temporary directory (no TCP port to collide with). ``fn`` must be importable (a 
 The process group exists when ``fn`` runs and is destroyed afterwards; a rank that raises fails the
 whole call with that rank's traceback; a call that outlives ``timeout_s`` kills every rank and raises
 :class:`TimeoutError` instead of hanging the test run.
+
+Kill tests, whose ranks must die or skip the teardown, use :func:`run_processes` (bare processes, exit
+codes back) with :func:`call_until_the_last_rank_dies` as the end of each rank's function.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 _CTX: Any = None
 
@@ -168,3 +175,47 @@ def run_distributed(
                     p.join(timeout=5)
             out.close()
     return [results[r] for r in range(world_size)]
+
+
+def run_processes(
+    target: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 60.0
+) -> list[int | None]:
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` bare processes; their exit codes.
+
+    For tests that kill a rank or must skip the harness's process-group teardown: the target sets up its
+    own process group and reports through files. A process still alive after ``timeout_s`` is killed.
+    """
+    ctx = _context()
+    procs = [ctx.Process(target=target, args=(r, world_size, *args), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    return [p.exitcode for p in procs]
+
+
+def call_until_the_last_rank_dies(
+    call: Callable[[], Any], rank: int, world_size: int, report: dict[str, Any], outdir: str
+) -> NoReturn:
+    """The body of a kill test's rank (under :func:`run_processes`): the last rank SIGKILLs itself 0.3 s
+    from now, mid-loop; every rank calls ``call()`` until it raises. ``report`` gets ``error`` and
+    ``elapsed`` (seconds from the kill's arming to the error) and is written to ``outdir/<rank>.json``,
+    also once before the loop. The process then exits at once, skipping the process-group teardown with
+    a dead peer."""
+    Path(outdir, f"{rank}.json").write_text(json.dumps(report))
+    if rank == world_size - 1:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        while True:
+            call()
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+    report["elapsed"] = time.monotonic() - start
+    Path(outdir, f"{rank}.json").write_text(json.dumps(report))
+    os._exit(0)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from paratrain.comm import _shm_segment, _shm_sys, shm
 from paratrain.comm._common import chunk_bounds
-from paratrain.testing import run_distributed
+from paratrain.testing import call_until_the_last_rank_dies, run_distributed, run_processes
 
 pytestmark = pytest.mark.dist
 
@@ -590,39 +590,15 @@ def _kill_worker(rank: int, world: int, init_file: str, job: str, outdir: str) -
     x = torch.ones(50_000)  # 49 pieces of 4 KiB: a call is many steps, so the kill lands mid-collective
     for _ in range(3):
         c.all_reduce(x)
-    Path(outdir, f"{rank}.json").write_text(json.dumps(report))
-    if rank == world - 1:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    start = time.monotonic()
-    try:
-        while True:
-            c.all_reduce(x)
-    except Exception as e:
-        report["error"] = f"{type(e).__name__}: {e}"
-    report["elapsed"] = time.monotonic() - start
-    Path(outdir, f"{rank}.json").write_text(json.dumps(report))
-    os._exit(0)  # skip the process-group teardown with a dead peer
+    call_until_the_last_rank_dies(lambda: c.all_reduce(x), rank, world, report, outdir)
 
 
 @pytest.mark.timeout(90)
 def test_killed_rank_fails_the_others_fast_and_leaves_no_segment(tmp_path: Path) -> None:
     job = f"killtest{uuid.uuid4().hex[:8]}"
     world = 3
-    ctx = mp.get_context("forkserver")
-    procs = [
-        ctx.Process(
-            target=_kill_worker, args=(r, world, str(tmp_path / "rdzv"), job, str(tmp_path)), daemon=True
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert procs[-1].exitcode == -signal.SIGKILL
+    codes = run_processes(_kill_worker, world, args=(str(tmp_path / "rdzv"), job, str(tmp_path)), timeout_s=60)
+    assert codes[-1] == -signal.SIGKILL
     reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
     for r in reports[:-1]:
         assert "rank 2" in r["error"], r

@@ -9,7 +9,8 @@ Algorithms (α–β costs in each module's docstring and in docs/comm.md):
 
 - ``naive`` (:mod:`.naive`): a star through one root; best for tiny messages on few ranks.
 - ``tree``  (:mod:`.tree`): binomial tree, ⌈log2 n⌉ rounds; latency-optimal broadcast/reduce.
-- ``ring``  (:mod:`.ring`): chunked, pipelined reduce-scatter + all-gather; bandwidth-optimal.
+- ``ring``  (:mod:`.ring`): chunked, pipelined reduce-scatter + all-gather; bandwidth-optimal. On a
+  Gloo group on one host its pieces travel over TCP links of its own (:mod:`._tcp`), not c10d's p2p.
 - ``rhd``   (:mod:`.rhd`): Rabenseifner's recursive halving/doubling, any n.
 - ``shm``   (:mod:`.shm`): one shared-memory segment per group, no sockets; the ranks of one host only.
 - ``native``: the backend's own collective (Gloo, NCCL), so callers can switch between the two.
