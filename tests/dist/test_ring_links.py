@@ -150,7 +150,7 @@ def test_a_hung_neighbour_is_named_after_the_timeout() -> None:
     assert "rank 1 sent nothing" in r0["again"]  # the links stay failed, with the same reason
 
 
-def _kill_worker(rank: int, world: int, init_file: str, outdir: str) -> None:
+def _kill_worker(rank: int, world: int, init_file: str, outdir: str, fork_child: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -162,13 +162,21 @@ def _kill_worker(rank: int, world: int, init_file: str, outdir: str) -> None:
     for _ in range(3):
         ring.all_reduce(x, "sum", p)
     report: dict[str, Any] = {"links": _links_of() is not None}
+    if fork_child and rank == world - 1:
+        # a forked child (as a DataLoader worker would be) that outlives the rank: it must not hold the
+        # rank's sockets open, or the neighbours would wait for the timeout instead of failing at once
+        if os.fork() == 0:
+            time.sleep(20)
+            os._exit(0)
     call_until_the_last_rank_dies(lambda: ring.all_reduce(x, "sum", p), rank, world, report, outdir)
 
 
 @pytest.mark.timeout(90)
-def test_a_killed_neighbour_fails_the_ring_at_once_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork_child", [False, True], ids=["alone", "with-a-forked-child"])
+def test_a_killed_neighbour_fails_the_ring_at_once_naming_it(tmp_path: Path, fork_child: bool) -> None:
     world = 3
-    codes = run_processes(_kill_worker, world, args=(str(tmp_path / "rdzv"), str(tmp_path)), timeout_s=60)
+    args = (str(tmp_path / "rdzv"), str(tmp_path), fork_child)
+    codes = run_processes(_kill_worker, world, args=args, timeout_s=60)
     assert codes[-1] == -signal.SIGKILL
     reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
     assert all(r["links"] for r in reports)

@@ -26,7 +26,8 @@ needed; a byte stream per direction carries the messages back to back.
   named after the group's timeout. Either way the links are closed and the group is no longer usable
   for the ring, like a process group after a timeout.
 - **Lifetime.** One :class:`RingLinks` per live group (:func:`links_for`); links of destroyed groups are
-  closed on the next lookup, the rest at exit.
+  closed on the next lookup, the rest at exit. A forked child (a DataLoader worker) closes its copies of
+  the sockets at once, so that it cannot keep a dead rank's connection open.
 - **Not thread-safe per group**: like any collective, one ring at a time on a group (paratrain's ``dp``
   runs its ring on one worker thread with a group of its own).
 """
@@ -297,6 +298,25 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+
+
+def _forget_in_child() -> None:
+    """After ``fork`` (a DataLoader worker, say), the child drops its copies of the sockets.
+
+    Otherwise a copy keeps a connection open after the rank itself dies, and its neighbour, which should
+    see the connection close at once, waits for the group's timeout instead. Only the child's file
+    descriptors are closed, never ``shutdown``, which would end the parent's connection too. The child
+    has no sender thread and no use for the links; it starts with an empty cache and a fresh lock."""
+    global _LOCK
+    for entry in _CACHE.values():
+        if entry.links is not None:
+            entry.links.out.close()
+            entry.links.inp.close()
+    _CACHE.clear()
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _connect(peers: Peers) -> RingLinks | None:
