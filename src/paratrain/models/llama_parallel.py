@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.models.llama import Llama
+from paratrain.models.llama import Llama, flops_per_token
+from paratrain.models.spec import ModelSpec, register_model_spec
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["check_pipeline", "check_tensor_parallel", "pipeline_split", "split_layers", "tp_plan"]
+__all__ = ["LLAMA_SPEC", "check_pipeline", "check_tensor_parallel", "pipeline_split", "split_layers", "tp_plan"]
 
 
 def check_tensor_parallel(model: Llama, tp: int, ranks: int | None = None) -> None:
@@ -194,3 +195,24 @@ def pipeline_split(
     part.register_buffer("freqs_cos", model.freqs_cos, persistent=False)
     part.register_buffer("freqs_sin", model.freqs_sin, persistent=False)
     return part
+
+
+def _stage_blocks(stage: nn.Module) -> list[nn.Module]:
+    layers = getattr(stage, "layers", None)
+    assert isinstance(layers, nn.ModuleDict), "a Llama pipeline stage keeps its blocks in a ModuleDict `layers`"
+    return list(layers.values())
+
+
+LLAMA_SPEC = register_model_spec(
+    lambda m: isinstance(m, Llama),
+    ModelSpec(
+        family="llama",
+        tp_plan=lambda m, sp, lp: tp_plan(m, sequence_parallel=sp, loss_parallel=lp),  # type: ignore[arg-type]
+        check_tp=check_tensor_parallel,  # type: ignore[arg-type]
+        pipeline_split=pipeline_split,  # type: ignore[arg-type]
+        check_pipeline=check_pipeline,  # type: ignore[arg-type]
+        stage_blocks=_stage_blocks,
+        flops_per_token=lambda m, seq_len: flops_per_token(m.config, seq_len),  # type: ignore[arg-type]
+    ),
+)
+"""paratrain's Llama: Megatron TP with sequence parallelism, whole-block pipeline stages."""

@@ -25,18 +25,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from paratrain.config import RunConfig
 from paratrain.errors import ConfigError
+from paratrain.models.spec import model_blocks as spec_model_blocks
 from paratrain.parallel.layers import choose_sync_batchnorm, convert_sync_batchnorm, count_batchnorm
 from paratrain.parallel.strategy import Strategy
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module] | None:
-    """The repeated blocks of a model: ``model.blocks`` (a ModuleList) or ``model.layers`` (a ModuleDict or
-    ModuleList, the Llama convention); ``None`` when it has neither."""
-    for attr in ("blocks", "layers"):
-        container = getattr(model, attr, None)
-        if isinstance(container, nn.ModuleList | nn.ModuleDict) and len(container) > 0:
-            return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
-    return None
+    """The repeated blocks of a model, as its spec says (:func:`paratrain.models.spec.model_blocks`):
+    ``None`` when it has none."""
+    blocks = spec_model_blocks(model)
+    return blocks or None
 
 
 def _replace_blocks(model: nn.Module, fn: Any) -> int:

@@ -48,6 +48,7 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
+from paratrain.models.spec import ModelSpec, spec_of
 from paratrain.parallel.grads import clip_grad_norm, replicated_value, to_local
 from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
@@ -103,23 +104,20 @@ def _drop_other_stages(optimizer: Any, names: dict[int, str], model: nn.Module) 
     return clone_optimizer(optimizer, groups)
 
 
-def _layers(stage: nn.Module) -> list[nn.Module]:
-    layers = getattr(stage, "layers", None)
-    assert isinstance(layers, nn.ModuleDict), "a pipeline stage keeps its blocks in a ModuleDict `layers`"
-    return list(layers.values())
+def _model_spec(model: nn.Module) -> ModelSpec:
+    """The model's spec, refused unless it can cut the model into stages."""
+    spec = spec_of(model)
+    if spec is None or spec.pipeline_split is None or spec.stage_blocks is None:
+        family = f" (model family {spec.family!r})" if spec is not None else ""
+        raise ConfigError(
+            f"pipeline parallelism needs a model that can be split into stages; {type(model).__name__}{family} "
+            "cannot (the Llama models can: --model llama-debug, llama-small)."
+        )
+    return spec
 
 
 def _split_fn(model: nn.Module) -> Any:
-    from paratrain.models.llama import Llama
-
-    if isinstance(model, Llama):
-        from paratrain.models.llama_parallel import pipeline_split
-
-        return pipeline_split
-    raise ConfigError(
-        f"pipeline parallelism needs a model that can be split into stages; {type(model).__name__} cannot "
-        "(the Llama models can: --model llama-debug, llama-small)."
-    )
+    return _model_spec(model).pipeline_split
 
 
 class _Pipeline(ModelParallel):
@@ -162,10 +160,9 @@ class _Pipeline(ModelParallel):
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
         super().check_model(model, world_size, config)
         topo = cls.topology_for(world_size, config)
-        _split_fn(model)
-        from paratrain.models.llama_parallel import check_pipeline
-
-        check_pipeline(model, topo.pp * stages_per_rank(config))  # type: ignore[arg-type]
+        spec = _model_spec(model)
+        if spec.check_pipeline is not None:
+            spec.check_pipeline(model, topo.pp * stages_per_rank(config))
 
     # ---- groups --------------------------------------------------------------------------------------
     def eval_group(self) -> dist.ProcessGroup | None:
@@ -200,7 +197,9 @@ class _Pipeline(ModelParallel):
         self.chunks = [split(model, self.num_stages, s) for s in self.owned]
         names = self.parameter_names(model)
         if self.uses_fsdp:
-            units = [block for c in self.chunks for block in _layers(c)]
+            stage_blocks = _model_spec(model).stage_blocks
+            assert stage_blocks is not None
+            units = [block for c in self.chunks for block in stage_blocks(c)]
             self.fully_shard(units, self.chunks)
         optimizer = rebind_optimizer(_drop_other_stages(optimizer, names, model), names, model)
         group = self.group("pp") if self.mesh is not None else None

@@ -6,7 +6,7 @@ communicates inside every layer. ``fsdp+tp`` is seed 004's recipe: TP degree 2 i
 the data-parallel ranks across nodes. Each parameter is then a 2-D DTensor: sharded by columns or rows over
 ``tp`` (the TP plan) and by dim-0 chunks of its local shard over ``dp_shard`` (FSDP2).
 
-**The plan** comes from the model (:func:`paratrain.models.llama_parallel.tp_plan` for Llama) or from the user
+**The plan** comes from the model (its :class:`~paratrain.models.spec.ModelSpec`) or from the user
 (``paratrain.setup(model, opt, strategy="tp", tp_plan=...)``: a ``{module name: ParallelStyle}`` dict or a
 function ``(model, sequence_parallel, loss_parallel) -> dict``); it is applied with ``parallelize_module``
 over ``mesh["tp"]`` (https://pytorch.org/docs/stable/distributed.tensor.parallel.html).
@@ -45,6 +45,7 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
+from paratrain.models.spec import spec_of
 from paratrain.parallel.grads import (
     align_grads,
     all_reduce_replicas,
@@ -70,34 +71,31 @@ returning one."""
 def model_tp_plan(
     model: nn.Module, config: StrategyConfig, user_plan: TPPlan | None = None
 ) -> dict[str, Any]:
-    """The plan for ``model``: the user's (dict or function), else the model's own (Llama)."""
+    """The plan for ``model``: the user's (dict or function), else the one its model spec carries."""
     sp, lp = config.sequence_parallel, config.loss_parallel
     if user_plan is not None:
         return dict(user_plan(model, sp, lp) if callable(user_plan) else user_plan)
-    from paratrain.models.llama import Llama
-
-    if isinstance(model, Llama):
-        from paratrain.models.llama_parallel import tp_plan
-
-        return dict(tp_plan(model, sequence_parallel=sp, loss_parallel=lp))
-    raise ConfigError(
-        f"model {type(model).__name__} has no tensor-parallel plan. Pass one: paratrain.setup(model, optimizer, "
-        "strategy='tp', tp_plan={'layers.0.attention.wq': ColwiseParallel(), ...}), or use a Llama model."
-    )
+    spec = spec_of(model)
+    if spec is None or spec.tp_plan is None:
+        raise ConfigError(
+            f"model {type(model).__name__} has no tensor-parallel plan. Pass one: paratrain.setup(model, "
+            "optimizer, strategy='tp', tp_plan={'layers.0.attention.wq': ColwiseParallel(), ...}), or use a "
+            "model whose spec carries one (paratrain strategies lists them; the Llama models have one)."
+        )
+    return dict(spec.tp_plan(model, sp, lp))
 
 
 def check_model_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
-    """Launch-time check (meta model): the built-in plan exists and the heads divide by ``tp``."""
-    from paratrain.models.llama import Llama
-
-    if not isinstance(model, Llama):
+    """Launch-time check (meta model): the model's spec has a TP plan and its own check passes."""
+    spec = spec_of(model)
+    if spec is None or spec.tp_plan is None:
+        family = f" (model family {spec.family!r})" if spec is not None else ""
         raise ConfigError(
-            f"tensor parallelism needs a model with a TP plan; {type(model).__name__} has none (the Llama "
-            "models have one: --model llama-debug, llama-small). From Python, pass setup(..., tp_plan=...)."
+            f"tensor parallelism needs a model with a TP plan; {type(model).__name__}{family} has none (the "
+            "Llama models have one: --model llama-debug, llama-small). From Python, pass setup(..., tp_plan=...)."
         )
-    from paratrain.models.llama_parallel import check_tensor_parallel
-
-    check_tensor_parallel(model, tp, ranks)
+    if spec.check_tp is not None:
+        spec.check_tp(model, tp, ranks)
 
 
 # ---- the shared base of every model-parallel preset --------------------------------------------------------
@@ -241,9 +239,7 @@ class ModelParallel(Strategy):
 
         assert self.mesh is not None
         plan = model_tp_plan(model, self.config, self.user_tp_plan)
-        from paratrain.models.llama import Llama
-
-        if isinstance(model, Llama):
+        if self.user_tp_plan is None:
             check_model_tp(model, self.topology.tp)
         # parallelize_module swaps parameters for DTensors: remember the names of the originals, so that an
         # optimizer built before (paratrain.setup) can be rebound by name in wrap()

@@ -1,0 +1,107 @@
+"""What a model family tells the strategies: how it is split (torchtitan's ``ModelSpec``).
+
+A strategy never names a model class. It asks :func:`spec_of` for the model's :class:`ModelSpec` and uses
+what the spec provides:
+
+- ``tp_plan(model, sequence_parallel, loss_parallel)``: ``{module name: ParallelStyle}`` for
+  ``parallelize_module`` over the ``tp`` axis, and ``check_tp(model, tp, ranks)``, the launch-time check
+  (heads divisible by ``tp``, ...) run on the meta model;
+- ``pipeline_split(model, num_stages, stage, layers_per_stage)``: one stage as a module that keeps the
+  stage's own submodules under their original names, ``check_pipeline(model, num_stages)``, and
+  ``stage_blocks(stage)``: the blocks of a stage (its FSDP units under ``fsdp+pp``);
+- ``fsdp_units(model)``: the blocks sharded one by one (FSDP units, activation-checkpointing and compile
+  units); without it, ``model.blocks`` or ``model.layers`` are used;
+- ``flops_per_token(model, seq_len)``: training FLOPs per token (forward + backward) for MFU.
+
+A family registers its spec with :func:`register_model_spec` under a predicate on the module (usually an
+``isinstance`` test written in the family's own module), or a builder attaches one to an instance
+(:func:`attach_spec`), which wins: a model built at run time (a Hugging Face class, a user's factory)
+carries its own plans. A missing capability is ``None``, and the strategy that needs it refuses the model
+before launch, naming the model and the capability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelSpec", "attach_spec", "model_blocks", "register_model_spec", "spec_of"]
+
+SPEC_ATTR = "_paratrain_model_spec"
+"""Instance attribute holding a model's own :class:`ModelSpec` (set by :func:`attach_spec`)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The parallel plans of one model family; any capability may be ``None`` (not supported)."""
+
+    family: str
+    """Name used in messages (``llama``, ``hf:LlamaForCausalLM``, ...)."""
+    tp_plan: Callable[[nn.Module, bool, bool], dict[str, Any]] | None = None
+    """``(model, sequence_parallel, loss_parallel) -> {module name: ParallelStyle}``."""
+    check_tp: Callable[[nn.Module, int, int | None], None] | None = None
+    """``(meta model, tp, ranks left for tp)``: raise :class:`~paratrain.errors.ConfigError` when ``tp``
+    cannot split the model."""
+    pipeline_split: Callable[[nn.Module, int, int, Sequence[int] | None], nn.Module] | None = None
+    """``(model, num_stages, stage, layers_per_stage) -> stage module`` sharing ``model``'s submodules."""
+    check_pipeline: Callable[[nn.Module, int], None] | None = None
+    """``(meta model, num_stages)``: raise :class:`~paratrain.errors.ConfigError` when it cannot be cut."""
+    stage_blocks: Callable[[nn.Module], list[nn.Module]] | None = None
+    """The blocks of one pipeline stage (its FSDP units)."""
+    fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None
+    """The blocks to shard one by one; ``None``: ``model.blocks``/``model.layers``."""
+    flops_per_token: Callable[[nn.Module, int], float] | None = None
+    """``(model, seq_len) -> training FLOPs per token``."""
+
+
+_ENTRIES: list[tuple[Callable[[nn.Module], bool], ModelSpec]] = []
+_LOADED = False
+
+
+def register_model_spec(matches: Callable[[nn.Module], bool], spec: ModelSpec) -> ModelSpec:
+    """Register ``spec`` for every module ``matches`` accepts; later registrations are asked first."""
+    _ENTRIES.insert(0, (matches, spec))
+    return spec
+
+
+def attach_spec(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """Give this one model instance its own spec (it wins over the registered ones); returns ``model``."""
+    object.__setattr__(model, SPEC_ATTR, spec)
+    return model
+
+
+def spec_of(model: nn.Module) -> ModelSpec | None:
+    """The spec of ``model``: its own (:func:`attach_spec`), else the first registered one that matches."""
+    own = getattr(model, SPEC_ATTR, None)
+    if isinstance(own, ModelSpec):
+        return own
+    _load_builtin()
+    for matches, spec in _ENTRIES:
+        if matches(model):
+            return spec
+    return None
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module] | None:
+    """The model's blocks (FSDP units, checkpointing and compile units): its spec's ``fsdp_units``, else
+    ``model.blocks`` or ``model.layers`` (a ModuleList or ModuleDict); ``None`` when it has none."""
+    spec = spec_of(model)
+    if spec is not None and spec.fsdp_units is not None:
+        return list(spec.fsdp_units(model))
+    for attr in ("blocks", "layers"):
+        blocks = getattr(model, attr, None)
+        if isinstance(blocks, nn.ModuleList):
+            return list(blocks)
+        if isinstance(blocks, nn.ModuleDict):
+            return list(blocks.values())
+    return None
+
+
+def _load_builtin() -> None:
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        from paratrain.models import llama_parallel  # noqa: F401  (registers the Llama spec)
