@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.cost import busbw
 from paratrain.launch.cpu_bind import allowed_cores, core_blocks
+from paratrain.spec.cost import busbw
 from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"

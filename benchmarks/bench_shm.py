@@ -25,7 +25,7 @@ block of cores as ``paratrain launch --cpu-bind cores`` does; ``both`` runs ever
 
 busbw = algbw × 2(n−1)/n for all_reduce and × (n−1)/n for reduce_scatter / all_gather, S the tensor (the
 whole input of reduce_scatter, the whole output of all_gather): nccl-tests' definitions, from
-:func:`paratrain.comm.cost.busbw`.
+:func:`paratrain.spec.cost.busbw`.
 
 The memory-bandwidth limit is measured in the same script, on one core: a ``copy_`` of a large tensor
 (bytes copied per second) and an ``add`` of two (bytes of one operand per second). A rank of the shm
@@ -64,8 +64,8 @@ import torch.distributed as dist
 
 from paratrain.comm._shm_segment import DIRECT_BLOCK_BYTES
 from paratrain.comm._shm_tune import CALLS as TUNING_CALLS
-from paratrain.comm.cost import busbw
 from paratrain.launch.cpu_bind import allowed_cores, core_blocks
+from paratrain.spec.cost import busbw
 from paratrain.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -84,17 +84,15 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
-    from paratrain.parallel import available_strategies, get_strategy, strategy_aliases
+    from paratrain.spec.strategies import ALIASES, STRATEGIES
 
-    names = available_strategies(include_aliases=False)
-    aliases = strategy_aliases()
     if args.json:
-        print(json.dumps({n: get_strategy(n).description for n in names}
-                         | {a: f"alias of {t}" for a, t in aliases.items()}))  # fmt: skip
+        print(json.dumps({n: s.description for n, s in sorted(STRATEGIES.items())}
+                         | {a: f"alias of {t}" for a, t in ALIASES.items()}))  # fmt: skip
         return 0
-    for n in names:
-        print(f"{n:12s} {get_strategy(n).description}")
-    for a, t in sorted(aliases.items()):
+    for n, spec in sorted(STRATEGIES.items()):
+        print(f"{n:12s} {spec.description}")
+    for a, t in sorted(ALIASES.items()):
         print(f"{a:12s} alias of {t}")
     return 0
 
@@ -146,14 +144,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="paratrain", description="Distributed PyTorch training, correct by construction."
-    )
-    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---- the parser: one builder per command, run only for the command given ------------------------------
+# Building a command's parser may import what the command needs (torch for most); `paratrain --help`,
+# `paratrain lint`, `plan` and `strategies` build only their own, so they never pay torch's import time.
 
-    p = sub.add_parser("train", help="train a model (default: CNN on digits, ddp over 2 local processes)")
+
+def _train(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", help="TOML file with [model], [data], [strategy], [optimizer], [train], ... tables"
     )
@@ -163,13 +159,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object (last line)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("strategies", help="list the registered parallel strategies")
+
+def _strategies(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_strategies)
 
-    p = sub.add_parser(
-        "launch", help="run any script on N local ranks with the torch elastic agent (torchrun drop-in)"
-    )
+
+def _launch(p: argparse.ArgumentParser) -> None:
     add_arguments(p, LAUNCH)
     p.add_argument(
         "--standalone", action="store_true", help="accepted for torchrun compatibility (the default)"
@@ -190,29 +186,29 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=cmd_launch)
 
+
+def _lint(p: argparse.ArgumentParser) -> None:
     from paratrain.diagnose.lint import cli as lint_cli
 
-    p = sub.add_parser("lint", help="static checks for distributed-training mistakes in any training script")
     lint_cli.add_arguments(p)
     p.set_defaults(func=lint_cli.run)
 
+
+def _doctor(p: argparse.ArgumentParser) -> None:
     from paratrain.diagnose import doctor
 
-    p = sub.add_parser(
-        "doctor", help="check the setup: versions, GPUs, network variables, a communication self-test"
-    )
     doctor.add_arguments(p)
     p.set_defaults(func=doctor.run)
 
+
+def _plan(p: argparse.ArgumentParser) -> None:
     from paratrain.plan import cli as plan_cli
 
-    p = sub.add_parser(
-        "plan", help="memory, communication and step time of a model x strategy x cluster (no GPU)"
-    )
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
 
-    p = sub.add_parser("generate", help="sample text from a trained language-model checkpoint")
+
+def _generate(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ckpt", required=True, help="a run directory, its checkpoints/ directory, or one step_NNNNNNNN"
     )
@@ -226,37 +222,77 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
 
-    from paratrain.checkpoint.commands import add_ckpt_commands
 
-    add_ckpt_commands(sub)
-
+def _bench(p: argparse.ArgumentParser) -> None:
     from paratrain.bench import comm as comm_bench
-
-    bench_sub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    p = bench_sub.add_parser(
-        "comm", help="time collectives (native and paratrain's algorithms) over message sizes"
-    )
-    comm_bench.add_arguments(p)
-    p.set_defaults(func=comm_bench.main)
-
     from paratrain.bench import scaling as scaling_bench
 
-    p = bench_sub.add_parser(
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    b = bench_sub.add_parser("comm", help="time collectives (native and paratrain's algorithms) over message sizes")
+    comm_bench.add_arguments(b)
+    b.set_defaults(func=comm_bench.main)
+    b = bench_sub.add_parser(
         "scaling", help="one training run per world size: samples/s, speed-up and efficiency (weak or strong)"
     )
-    scaling_bench.add_arguments(p)
-    p.set_defaults(func=scaling_bench.run)
+    scaling_bench.add_arguments(b)
+    b.set_defaults(func=scaling_bench.run)
 
+
+def _plot(p: argparse.ArgumentParser) -> None:
     from paratrain.diagnose import plot
 
-    p = sub.add_parser("plot", help="draw the loss, throughput, memory and profile of run directories")
     plot.add_arguments(p)
     p.set_defaults(func=plot.run)
+
+
+COMMANDS: dict[str, tuple[str, Any]] = {
+    "train": ("train a model (default: CNN on digits, ddp over 2 local processes)", _train),
+    "strategies": ("list the registered parallel strategies", _strategies),
+    "launch": ("run any script on N local ranks with the torch elastic agent (torchrun drop-in)", _launch),
+    "lint": ("static checks for distributed-training mistakes in any training script", _lint),
+    "doctor": ("check the setup: versions, GPUs, network variables, a communication self-test", _doctor),
+    "plan": ("memory, communication and step time of a model x strategy x cluster (no GPU)", _plan),
+    "generate": ("sample text from a trained language-model checkpoint", _generate),
+    "ckpt": ("inspect and export checkpoints", None),
+    "bench": ("benchmarks", _bench),
+    "plot": ("draw the loss, throughput, memory and profile of run directories", _plot),
+}
+"""``paratrain COMMAND``: help line and parser builder (``ckpt`` adds its own subcommands)."""
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The command named in ``argv`` (its first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with full arguments for the command named in ``argv`` only (every command when ``argv``
+    is ``None``); the others are listed with their help line."""
+    parser = argparse.ArgumentParser(
+        prog="paratrain", description="Distributed PyTorch training, correct by construction."
+    )
+    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chosen = _command_of(argv) if argv is not None else None
+    for name, (helptext, build) in COMMANDS.items():
+        full = argv is None or name == chosen
+        if name == "ckpt":
+            if full:
+                from paratrain.checkpoint.commands import add_ckpt_commands
+
+                add_ckpt_commands(sub)
+            else:
+                sub.add_parser(name, help=helptext)
+            continue
+        p = sub.add_parser(name, help=helptext)
+        if full:
+            build(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

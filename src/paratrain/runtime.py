@@ -306,29 +306,6 @@ def device_synchronizer(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-# Dense peak FLOP/s by device name fragment (vendor data sheets; bf16/fp16 tensor cores, and tf32/fp32).
-_PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
-    ("H200", 989e12, 67e12),
-    ("H100", 989e12, 67e12),
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("A10", 125e12, 31.2e12),
-    ("V100", 125e12, 15.7e12),
-)
-
-
-def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
-    """Peak dense FLOP/s of ``device`` at ``precision`` (16-bit for bf16/fp16), or ``None`` when unknown
-    (CPUs, and GPUs not in the table). Used for MFU; never guessed."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, half, single in _PEAK_FLOPS:
-        if fragment in name:
-            return half if precision in ("bf16", "fp16") else single
-    return None
-
-
 def record_errors(fn: Any) -> Any:
     """Decorate a worker ``main``: on an exception, write the agent's error file, print one line, exit 1.
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.bench import comm as bench
-from paratrain.comm import cost
 from paratrain.comm._common import chunk_bounds
 from paratrain.comm.tree import binomial_tree
 from paratrain.config import ConfigError
+from paratrain.spec import cost
 
 # ---- nccl-tests bandwidth definitions ------------------------------------------------------------------
 

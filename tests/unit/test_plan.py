@@ -15,13 +15,13 @@ import pytest
 from paratrain.errors import ConfigError
 from paratrain.plan import Workload, plan, preset, spec_from_params, spec_from_shape
 from paratrain.plan import activations as act
-from paratrain.plan import cluster as cl
 from paratrain.plan import memory as mem
 from paratrain.plan.cli import add_arguments, parse_gpu_range, run
 from paratrain.plan.comm import CommOp, Link, link_for, op_time
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import FALLBACK_SHAPES, TransformerShape, spec_from_module
 from paratrain.plan.recommend import recommend
+from paratrain.spec import hardware as cl
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 1e9
@@ -153,11 +153,11 @@ def test_comm_bytes_tp_and_pp() -> None:
 
 def test_axis_placement_and_alpha_beta() -> None:
     c = h100(64)
-    layout = Layout(dp_replicate=4, dp_shard=2, tp=8)
+    layout = Layout.of(dp_replicate=4, dp_shard=2, tp=8)
     assert link_for(layout, "tp", c).nodes == 1  # tp innermost: one node, NVLink
     shard = link_for(layout, "dp_shard", c)  # stride 8: one member per node
     assert shard.nodes == 2 and shard.beta == pytest.approx(1 / 50e9)
-    wide = link_for(Layout(dp_shard=64), "dp_shard", c)  # 8 members per node drive 8 NICs
+    wide = link_for(Layout.of(dp_shard=64), "dp_shard", c)  # 8 members per node drive 8 NICs
     assert wide.nodes == 8 and wide.beta == pytest.approx(1 / 400e9)
     link = Link(alpha_intra=1e-6, alpha_inter=1e-5, beta=1e-9, nodes=1)
     ring = op_time(CommOp("x", "all_gather", 4, 4e6, 1, "exposed"), link)

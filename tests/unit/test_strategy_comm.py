@@ -10,6 +10,7 @@ import pytest
 from paratrain.config import COMM_ALGORITHMS, StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.registry import get_strategy
+from paratrain.spec.strategies import check_comm_algorithm
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
@@ -33,10 +34,10 @@ def test_other_strategies_refuse_every_algorithm_but_native(name: str) -> None:
         with pytest.raises(
             ConfigError, match=re.escape(f"{cls.name}: --comm-algorithm '{alg}' is not available")
         ) as e:
-            cls.check_comm_algorithm(alg)
+            check_comm_algorithm(cls.name, alg)
         takers = {n for n in ("ddp", "dp", "zero1", "zero2") if alg in get_strategy(n).comm_algorithms}
         assert f"Strategies that take '{alg}': {', '.join(sorted(takers))}." in str(e.value)
-    cls.check_comm_algorithm("native")
+    check_comm_algorithm(cls.name, "native")
 
 
 def test_dp_takes_every_algorithm() -> None:
@@ -48,7 +49,7 @@ def test_dp_takes_every_algorithm() -> None:
 
 def test_shm_is_registered_for_every_collective_it_implements_and_has_no_alpha_beta_prediction() -> None:
     from paratrain.comm import ALGORITHMS
-    from paratrain.comm.cost import LinkModel, predict
+    from paratrain.spec.cost import LinkModel, predict
 
     for fn in ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter"):
         assert "shm" in ALGORITHMS[fn]

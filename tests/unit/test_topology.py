@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from paratrain.config import ConfigError, StrategyConfig
 from paratrain.parallel import check_strategy, get_strategy
-from paratrain.parallel.topology import Topology
+from paratrain.parallel.topology import Topology, build_mesh
 
 
 def test_product_must_equal_world_size_and_message_prints_every_factor() -> None:
@@ -55,17 +55,17 @@ def fake_world() -> Iterator[int]:
 
 def test_build_mesh_on_a_large_fake_world(fake_world: int) -> None:
     t = Topology(fake_world, dp_replicate=2, dp_shard=4, tp=2)
-    mesh = t.build_mesh("cpu")
+    mesh = build_mesh(t, "cpu")
     assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
     assert tuple(mesh.shape) == (2, 4, 2)
     # rank 5 = replicate 0, shard 2, tp 1: its shard group is the ranks that differ only along "dp_shard"
     assert t.coordinates(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 2, "tp": 1}
     assert mesh["dp_shard"].mesh.tolist() == [1, 3, 5, 7]
     assert mesh["dp_replicate"].mesh.tolist() == [5, 13]
-    hsdp = Topology(fake_world, dp_replicate=1, dp_shard=16).build_mesh("cpu", ("dp_replicate", "dp_shard"))
+    hsdp = build_mesh(Topology(fake_world, dp_replicate=1, dp_shard=16), "cpu", ("dp_replicate", "dp_shard"))
     assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(hsdp.shape) == (1, 16)
     with pytest.raises(ValueError, match="must be part of the mesh"):
-        t.build_mesh("cpu", ("dp_shard", "tp"))
+        build_mesh(t, "cpu", ("dp_shard", "tp"))
 
 
 def _cfg(**kw: object) -> StrategyConfig:

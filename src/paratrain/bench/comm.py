@@ -8,7 +8,7 @@ This process validates every argument first (one clear error, nothing started), 
 :mod:`paratrain.bench.comm_worker` with the torch elastic agent (:func:`paratrain.launch.run_module`),
 reads rank 0's JSON, and prints a table (or ``--json``) and draws ``--plot``. Sizes use binary units as
 nccl-tests does (1KB = 1024 B). For each size and algorithm it reports the median time, algbw = S/t and
-busbw = algbw × factor with nccl-tests' factors (see :mod:`paratrain.comm.cost`), the α–β model's
+busbw = algbw × factor with nccl-tests' factors (see :mod:`paratrain.spec.cost`), the α–β model's
 prediction, and busbw relative to the backend's native collective *measured in the same run*.
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 
 from paratrain.comm._check import ALGORITHMS
 from paratrain.comm._ops import OPS
-from paratrain.comm.cost import BUS_FACTORS
 from paratrain.config import LaunchConfig
 from paratrain.errors import ConfigError
+from paratrain.spec.cost import BUS_FACTORS
 
 COLLECTIVES = tuple(BUS_FACTORS)  # all_reduce, all_gather, reduce_scatter, broadcast, reduce
 DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")

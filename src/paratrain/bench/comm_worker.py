@@ -37,8 +37,8 @@ import torch.distributed as dist
 from paratrain import comm
 from paratrain.comm._common import wait_all
 from paratrain.comm._shm_tune import CALLS as SHM_TUNING_CALLS
-from paratrain.comm.cost import LinkModel, algbw, bus_factor, predict
 from paratrain.runtime import Context, init, record_errors, shutdown
+from paratrain.spec.cost import LinkModel, algbw, bus_factor, predict
 
 DTYPES = {
     "float32": torch.float32,

@@ -50,9 +50,8 @@ import torch
 from paratrain.comm._common import Peers, chunk_bounds, wait_all
 from paratrain.comm._ops import combine_, finish_mean_
 from paratrain.comm._tcp import RingLinks, links_for
+from paratrain.spec.cost import PIECE_BYTES
 
-PIECE_BYTES = 4 << 20
-"""Default pipelining granularity. Smaller pieces overlap more but pay α per piece."""
 MIN_PIPELINED_BYTES = 1 << 20
 """A chunk of at least this size is cut into two pieces or more even when it fits in one ``piece_bytes``
 piece: with one piece nothing overlaps (each step waits for a whole chunk before it reduces and sends it

@@ -169,8 +169,8 @@ def measure_busbw(rank: int, n: int, dev: Any, sizes: tuple[int, ...] = SIZES) -
     import torch
     import torch.distributed as dist
 
-    from paratrain.comm.cost import algbw, busbw
     from paratrain.runtime import device_synchronizer
+    from paratrain.spec.cost import algbw, busbw
 
     sync = device_synchronizer(dev)
     rows = []

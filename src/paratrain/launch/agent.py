@@ -258,8 +258,8 @@ def preflight_train(cfg: Any, world: int, strategy: Any) -> None:
     for nodes in range(int(parts[0]), int(parts[-1]) + 1):
         size = nproc * nodes
         try:
-            strategy.check(size, cfg.strategy)
-            cfg.validate(size, strategy.data_parallel_size(size, cfg.strategy))
+            strategy.check(size, cfg.strategy, nproc)
+            cfg.validate(size, strategy.data_parallel_size(size, cfg.strategy, nproc))
         except ConfigError as e:
             raise ConfigError(
                 f"--nnodes {launch.nnodes}: at {nodes} node(s) (world size {size}): {e}"

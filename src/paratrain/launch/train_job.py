@@ -50,11 +50,12 @@ def preflight_run(cfg: RunConfig) -> int:
     preflight(cfg.launch)
     preflight_observers(cfg)  # --tensorboard without the tensorboard package
     nnodes = int(cfg.launch.nnodes.split(":")[0])
-    world = resolve_nproc(cfg.launch) * nnodes
+    nproc = resolve_nproc(cfg.launch)
+    world = nproc * nnodes
     strategy = get_strategy(cfg.strategy.name)  # unknown names are refused by the registries themselves
     get_model_builder(cfg.model.name)
-    check_strategy(strategy, world, cfg.strategy)
-    cfg.validate(world, strategy.data_parallel_size(world, cfg.strategy))
+    check_strategy(strategy, world, cfg.strategy, nproc)
+    cfg.validate(world, strategy.data_parallel_size(world, cfg.strategy, nproc))
     if cfg.train.precision == "fp16" and strategy.name in ("zero1", "zero2"):
         # The sharded optimizer reduce-scatters and frees gradients inside backward, before a GradScaler
         # could unscale them and check them for inf/nan: loss scaling cannot be applied correctly.
@@ -73,7 +74,7 @@ def preflight_run(cfg: RunConfig) -> int:
             raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
     data = build_dataset(cfg.data)
     check_model_fits_data(cfg.model.name, cfg.data.name, data.task, data.input_shape)
-    dp = strategy.data_parallel_size(world, cfg.strategy)
+    dp = strategy.data_parallel_size(world, cfg.strategy, nproc)
     if len(data.train) < cfg.train.batch_size:
         raise ConfigError(
             f"the training split of {cfg.data.name!r} has {len(data.train)} samples, fewer than one global "
@@ -82,7 +83,7 @@ def preflight_run(cfg: RunConfig) -> int:
     if cfg.train.batch_size // (dp * cfg.train.grad_accum) < 1:
         raise ConfigError("the per-rank micro-batch would be empty; raise --batch-size or lower --grad-accum")
     micro = cfg.train.batch_size // (dp * cfg.train.grad_accum)
-    topo = strategy.topology_for(world, cfg.strategy)
+    topo = strategy.topology_for(world, cfg.strategy, nproc)
     if cfg.train.compile and topo.tp > 1:
         # torch 2.13: the backward of a torch.compile'd block under the DTensor TP plan hands a plain tensor to
         # DTensor's Redistribute backward ("'Tensor' object has no attribute '_local_tensor'"), after launch.
@@ -114,7 +115,7 @@ def preflight_run(cfg: RunConfig) -> int:
     # the skipped checkpoints were just reported: the workers' first attempt does not repeat them
     os.environ["PARATRAIN_REPORTED_SKIPS"] = json.dumps(reported)
     if ":" not in cfg.launch.nnodes:  # a fixed world: the workers build exactly the mesh validated here
-        topo = strategy.topology_for(world, cfg.strategy)
+        topo = strategy.topology_for(world, cfg.strategy, nproc)
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
         cfg.strategy.tp, cfg.strategy.pp = topo.tp, topo.pp
     return world

@@ -15,6 +15,7 @@ from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.registry import check_strategy, get_strategy
 from paratrain.parallel.strategy import Strategy
+from paratrain.parallel.topology import build_mesh
 from paratrain.runtime import Context
 
 
@@ -34,7 +35,7 @@ def build_strategy(ctx: Context, config: StrategyConfig) -> Strategy:
     check_strategy(cls, ctx.world_size, config)
     topology = cls.topology_for(ctx.world_size, config)
     needs_mesh = cls.required_axes or (ctx.distributed and ctx.world_size > 1)
-    mesh = topology.build_mesh(ctx.device.type, topology.mesh_axes(cls.required_axes)) if needs_mesh else None
+    mesh = build_mesh(topology, ctx.device.type, topology.mesh_axes(cls.required_axes)) if needs_mesh else None
     return cls(ctx, config, topology, mesh)
 
 

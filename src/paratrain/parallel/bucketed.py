@@ -59,7 +59,6 @@ from torch import nn
 from paratrain import comm
 from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
 from paratrain.comm.shm_hier import HierarchicalAllReduce
-from paratrain.config import COMM_ALGORITHMS
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
 from paratrain.runtime import get_logger
@@ -329,10 +328,8 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None, params:
 
 @register_strategy("dp")
 class BucketedDataParallel(Strategy):
-    description = (
-        "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with backward"
-    )
-    comm_algorithms = COMM_ALGORITHMS  # every one of paratrain's algorithms, and the backend's
+    """paratrain's own bucketed data parallel over any algorithm of :mod:`paratrain.comm`."""
+
     replicated_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -117,11 +117,8 @@ class _DDP(DDP):
 
 @register_strategy("ddp")
 class NativeDDP(Strategy):
-    description = "torch DistributedDataParallel: replicated model, bucketed async gradient all-reduce"
-    comm_algorithms = ("native", "shm")
-    comm_algorithms_help = (
-        "'native': torch's reducer all-reduces each bucket; 'shm': a comm hook through shared memory"
-    )
+    """torch's DistributedDataParallel, or its reducer with paratrain's shared-memory hook."""
+
     replicated_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

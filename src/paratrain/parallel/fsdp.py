@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.grads import clip_grad_norm, no_gradient_sync
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
@@ -77,17 +76,10 @@ def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
 class _FullyShard(Strategy):
     """FSDP2 over the ``dp_shard`` axis (``zero3``) or the 2-D ``(dp_replicate, dp_shard)`` sub-mesh (``hsdp``)."""
 
-    supports_offload = True
-    supports_mixed_precision = True
     reshard_after_forward = True
 
-    required_axes: ClassVar[tuple[str, ...]] = ("dp_shard",)
     fsdp_axes: ClassVar[str | tuple[str, ...]] = "dp_shard"
     """The axes of the run's mesh FSDP2 shards over (a 2-D sub-mesh makes it HSDP)."""
-
-    @classmethod
-    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
-        return 1, dp
 
     def _policies(self) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -128,39 +120,13 @@ class _FullyShard(Strategy):
         return clip_grad_norm(model.parameters(), max_norm, self.ctx.device)
 
 
-@register_strategy("zero3", aliases=("fsdp",))
+@register_strategy("zero3")
 class Zero3(_FullyShard):
-    description = "ZeRO-3 / FSDP2: parameters, gradients and optimizer state sharded (fully_shard per block)"
-    shard_axis_only = True
+    """FSDP2 over every data-parallel rank, one unit per block."""
 
 
 @register_strategy("hsdp")
 class HSDP(_FullyShard):
-    description = "hybrid sharded DP: FSDP2 within --shard-size groups, replicated across groups (2-D mesh)"
-    uses_shard_size = True
+    """FSDP2 within shard groups, replicated across them (a 2-D sub-mesh)."""
 
-    required_axes = ("dp_replicate", "dp_shard")
     fsdp_axes = ("dp_replicate", "dp_shard")
-
-    @classmethod
-    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
-        if dp < 2:
-            raise ConfigError(
-                f"hsdp needs at least 2 data-parallel ranks (it shards within groups and replicates across "
-                f"groups), but there are {dp}. Use --nproc-per-node 2 or more, or --strategy zero3."
-            )
-        shard = config.shard_size or config.dp_shard
-        if shard is None:
-            if dp % 2:
-                raise ConfigError(
-                    f"hsdp: the data-parallel size {dp} is odd, so there is no default shard size (half the "
-                    f"ranks). Give --shard-size, a divisor of {dp}."
-                )
-            shard = dp // 2
-        if shard > dp or dp % shard:
-            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-            raise ConfigError(
-                f"--shard-size {shard} does not divide the data-parallel size {dp} "
-                f"(replicate x shard must equal {dp}). Choose one of: {', '.join(map(str, divisors))}."
-            )
-        return dp // shard, shard

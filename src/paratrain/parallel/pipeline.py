@@ -54,7 +54,6 @@ from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn
 from paratrain.parallel.tensor import ModelParallel
-from paratrain.parallel.topology import Topology
 
 if TYPE_CHECKING:
     from paratrain.data.batch import Batch
@@ -121,8 +120,6 @@ def _split_fn(model: nn.Module) -> Any:
 
 
 class _Pipeline(ModelParallel):
-    uses_pp = True
-    pp_default = "two"
     # the schedule runs each stage module once per micro-batch, out of MemTracker's per-module order
     peak_by_module = False
 
@@ -137,24 +134,6 @@ class _Pipeline(ModelParallel):
         self._schedule: Any = None
         self._eval_group: Any = None
         self._schedule_key: tuple[Any, ...] | None = None
-
-    # ---- launch-time checks ---------------------------------------------------------------------------
-    @classmethod
-    def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:
-        super().check_topology(topology, config)
-        m, p = config.microbatches or topology.pp, topology.pp
-        if config.pp_schedule == "1f1b" and m < p:
-            raise ConfigError(
-                f"--pp-schedule 1f1b needs at least as many micro-batches as stages: --microbatches {m} < "
-                f"--pp {p}. Use --microbatches {p} or more, or --pp-schedule gpipe."
-            )
-        if config.pp_schedule == "interleaved-1f1b":
-            rounds = max(1, m // p)
-            if m % rounds:
-                raise ConfigError(
-                    f"--pp-schedule interleaved-1f1b runs the micro-batches in rounds of --pp {p}: "
-                    f"--microbatches {m} must be a multiple of {rounds} (e.g. {rounds * p})."
-                )
 
     @classmethod
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
@@ -321,24 +300,14 @@ def _recv(group: Any, peer: int, device: torch.device) -> torch.Tensor:
 
 @register_strategy("pp")
 class PipelineParallel(_Pipeline):
-    description = (
-        "pipeline parallel (torch.distributed.pipelining): stages of whole layers; replicas over the rest"
-    )
-    pp_default = "rest"
+    """Pipeline stages; the data-parallel ranks left over are replicas."""
 
 
 @register_strategy("fsdp+pp")
 class FSDPPipelineParallel(_Pipeline):
-    description = (
-        "2-D: pipeline stages (outermost axis), each sharded with FSDP2 over the data-parallel ranks"
-    )
-    uses_fsdp = True
-    supports_mixed_precision = True
+    """Pipeline stages, each sharded with FSDP2 over its data-parallel ranks."""
 
 
 @register_strategy("fsdp+tp+pp")
 class FSDPTensorPipelineParallel(_Pipeline):
-    description = "3-D: pipeline stages, tensor parallel inside each (innermost axis), FSDP2 over the rest"
-    uses_tp = True
-    uses_fsdp = True
-    supports_mixed_precision = True
+    """Pipeline stages, tensor parallel inside each, FSDP2 over the rest."""

@@ -16,6 +16,7 @@ trainer never branches on the strategy's name; it asks the strategy object:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import StrategyConfig
-from paratrain.errors import ConfigError
 from paratrain.parallel.topology import Topology
 from paratrain.runtime import Context
+from paratrain.spec.strategies import StrategySpec
+from paratrain.spec.strategies import check as spec_check
+from paratrain.spec.strategies import resolve as spec_resolve
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -37,16 +40,24 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Strategy:
-    """Base class. Subclasses set the preset (:meth:`dp_degrees`) and override :meth:`wrap`."""
+    """Base class. A subclass registers under a spec name (:func:`~paratrain.parallel.registry.register_strategy`)
+    and overrides :meth:`wrap`; its preset, capabilities and refusals are the spec's
+    (:data:`paratrain.spec.strategies.STRATEGIES`), copied onto the class attributes below at registration."""
 
     name: ClassVar[str] = ""
+    spec: ClassVar[StrategySpec]
+    """The strategy's description: preset, capabilities, refusals (:mod:`paratrain.spec.strategies`)."""
     description: ClassVar[str] = ""
     supports_offload: ClassVar[bool] = False
-    """Accepts ``strategy.offload`` (``--offload``)."""
     supports_mixed_precision: ClassVar[bool] = False
-    """Accepts ``strategy.mixed_precision`` other than ``fp32``."""
     uses_shard_size: ClassVar[bool] = False
-    """Accepts ``strategy.shard_size`` (``--shard-size``)."""
+    shard_axis_only: ClassVar[bool] = False
+    uses_tp: ClassVar[bool] = False
+    uses_pp: ClassVar[bool] = False
+    uses_fsdp: ClassVar[bool] = False
+    required_axes: ClassVar[tuple[str, ...]] = ()
+    comm_algorithms: ClassVar[tuple[str, ...]] = ("native",)
+    # ---- behaviour of the implementation (not part of the spec) ---------------------------------------
     measures_peak_memory: ClassVar[bool] = True
     """Whether one step runs under ``MemTracker`` for ``peak_bytes_per_rank``."""
     peak_by_module: ClassVar[bool] = True
@@ -57,16 +68,6 @@ class Strategy:
     """After backward every data-parallel rank holds the same whole gradients (``ddp``, ``dp``): the
     non-finite check then reads only this rank's 1/``dp_size`` share of each, and the ranks combine their
     verdicts (``paratrain.train.nonfinite``)."""
-    shard_axis_only: ClassVar[bool] = False
-    """Every data-parallel rank is on the shard axis: the strategy synchronises over ``dp_shard`` alone
-    (zero1, zero2, zero3), so a ``dp_replicate`` above 1 is refused (its replicas would never be averaged)."""
-    required_axes: ClassVar[tuple[str, ...]] = ()
-    """Mesh axes this strategy needs even at degree 1 (FSDP2 always shards over ``dp_shard``)."""
-    comm_algorithms: ClassVar[tuple[str, ...]] = ("native",)
-    """``--comm-algorithm`` values this strategy implements; any other is refused by :meth:`check` (the
-    backend's own collectives, ``native``, unless a strategy widens it)."""
-    comm_algorithms_help: ClassVar[str] = ""
-    """What each of :attr:`comm_algorithms` means for this strategy (part of the refusal's message)."""
 
     def __init__(
         self,
@@ -83,88 +84,16 @@ class Strategy:
 
     # ---- the preset, checked in the launching process before any worker starts ---------------------
     @classmethod
-    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
-        """``(dp_replicate, dp_shard)`` of the preset for ``dp`` data-parallel ranks. Default: replicate."""
-        return dp, 1
+    def topology_for(cls, world_size: int, config: StrategyConfig, gpus_per_node: int | None = None) -> Topology:
+        """The run's topology (:func:`paratrain.spec.strategies.resolve`). ``gpus_per_node`` defaults to the
+        launcher's ``LOCAL_WORLD_SIZE`` (one node without it). Raises :class:`ConfigError`."""
+        return spec_resolve(cls.name, world_size, config, gpus_per_node or _local_world(world_size))
 
     @classmethod
-    def topology_for(cls, world_size: int, config: StrategyConfig) -> Topology:
-        """The run's topology: ``--tp``/``--pp`` first, the data-parallel rest split by the preset, explicit
-        ``--dp-replicate``/``--dp-shard`` overriding it. Raises :class:`ConfigError` printing every factor."""
-        tp, pp = config.tp or 1, config.pp or 1  # unset (None): no tensor or pipeline parallelism
-        if world_size % (tp * pp):
-            raise ConfigError(
-                f"topology: tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}. "
-                f"Choose --tp and --pp whose product divides {world_size}."
-            )
-        dp = world_size // (tp * pp)
-        rep, shard = config.dp_replicate, config.dp_shard
-        if rep is None or shard is None:
-            preset_rep, preset_shard = cls.dp_degrees(dp, config)
-            if rep is None and shard is None:
-                rep, shard = preset_rep, preset_shard
-            elif rep is None:
-                assert shard is not None
-                rep = dp // shard if dp % shard == 0 else -1
-            else:
-                shard = dp // rep if dp % rep == 0 else -1
-            if rep is None or shard is None or rep < 1 or shard < 1:
-                given = config.dp_replicate if config.dp_replicate is not None else config.dp_shard
-                flag = "--dp-replicate" if config.dp_replicate is not None else "--dp-shard"
-                raise ConfigError(
-                    f"topology: {flag} {given} does not divide the {dp} data-parallel ranks (world "
-                    f"{world_size} / tp {tp} / pp {pp}). Give a {flag} that divides {dp}, or other --tp/--pp."
-                )
-        return Topology(world_size=world_size, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
-
-    @classmethod
-    def check(cls, world_size: int, config: StrategyConfig) -> None:
-        """Raise :class:`ConfigError` when this strategy cannot run with ``world_size`` and ``config``."""
-        topo = cls.topology_for(world_size, config)
-        cls.check_topology(topo, config)
-        cls.check_comm_algorithm(config.comm_algorithm)
-
-    @classmethod
-    def check_comm_algorithm(cls, algorithm: str) -> None:
-        """Refuse a ``--comm-algorithm`` this strategy does not implement, instead of ignoring it."""
-        if algorithm in cls.comm_algorithms:
-            return
-        from paratrain.parallel.registry import strategies_taking  # the registry imports this module
-
-        takes = " or ".join(repr(a) for a in cls.comm_algorithms)
-        able = strategies_taking(algorithm)
-        where = f"Strategies that take {algorithm!r}: {', '.join(able)}." if able else "No strategy takes it."
-        raise ConfigError(
-            f"strategy {cls.name}: --comm-algorithm {algorithm!r} is not available; {cls.name} takes {takes}"
-            f"{' (' + cls.comm_algorithms_help + ')' if cls.comm_algorithms_help else ''}. {where}"
-        )
-
-    @classmethod
-    def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:
-        """Refuse degrees the strategy does not implement (subclasses widen this)."""
-        if topology.tp > 1 or topology.pp > 1:
-            raise ConfigError(
-                f"strategy {cls.name!r} is data parallel only, but --tp {topology.tp} --pp {topology.pp} were "
-                "given. Use --strategy tp, fsdp+tp, pp, fsdp+pp or fsdp+tp+pp for model parallelism."
-            )
-        if cls.shard_axis_only and topology.dp_replicate > 1:
-            given = (
-                f"--dp-replicate {config.dp_replicate}"
-                if config.dp_replicate is not None
-                else f"--dp-shard {config.dp_shard}"
-            )
-            raise ConfigError(
-                f"strategy {cls.name!r} shards over all {topology.dp_size} data-parallel ranks, but {given} "
-                f"splits them into {topology.dp_replicate} replicas of {topology.dp_shard}, which {cls.name} "
-                "would never average (each replica would train on its own data). Leave out --dp-replicate/"
-                "--dp-shard, or, to shard within groups and replicate across them, use --strategy hsdp "
-                f"--dp-replicate {topology.dp_replicate}."
-            )
-        if topology.dp_shard > 1 and cls.dp_degrees(topology.dp_size, config)[1] == 1:
-            raise ConfigError(
-                f"strategy {cls.name!r} replicates the model; --dp-shard {topology.dp_shard} needs a sharded "
-                "strategy (zero1, zero2, zero3, hsdp)."
-            )
+    def check(cls, world_size: int, config: StrategyConfig, gpus_per_node: int | None = None) -> None:
+        """Raise :class:`ConfigError` when this strategy cannot run with ``world_size`` and ``config``
+        (:func:`paratrain.spec.strategies.check`)."""
+        spec_check(cls.name, world_size, config, gpus_per_node or _local_world(world_size))
 
     @classmethod
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
@@ -172,9 +101,9 @@ class Strategy:
         against the PP degree. Raises :class:`ConfigError`."""
 
     @classmethod
-    def data_parallel_size(cls, world_size: int, config: StrategyConfig) -> int:
+    def data_parallel_size(cls, world_size: int, config: StrategyConfig, gpus_per_node: int | None = None) -> int:
         """How many ranks see different data (the global batch is split over these)."""
-        return cls.topology_for(world_size, config).dp_size
+        return cls.topology_for(world_size, config, gpus_per_node).dp_size
 
     # ---- applied in every worker, in parallelize()'s order -------------------------------------------
     def apply_tensor_parallel(self, model: nn.Module) -> nn.Module:
@@ -257,3 +186,11 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside any wrapper."""
         return model
+
+
+def _local_world(world_size: int) -> int:
+    """Ranks per node: torchrun's ``LOCAL_WORLD_SIZE``, else one node of ``world_size``."""
+    try:
+        return max(1, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    except ValueError:
+        return world_size

@@ -34,10 +34,9 @@ each all-reduced over ``tp``), never materialising ``b*s*V`` logits on one rank.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,6 @@ from paratrain.parallel.grads import (
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn, Strategy
-from paratrain.parallel.topology import AXES, Topology
 
 if TYPE_CHECKING:
     from paratrain.data.batch import Batch
@@ -106,15 +104,6 @@ class ModelParallel(Strategy):
     Data-parallel ranks left over replicate (``tp``, ``pp``) or shard with FSDP2 (``fsdp+*``).
     """
 
-    required_axes: ClassVar[tuple[str, ...]] = AXES
-    uses_tp: ClassVar[bool] = False
-    uses_pp: ClassVar[bool] = False
-    uses_fsdp: ClassVar[bool] = False
-    tp_default: ClassVar[str] = "two"
-    """How ``tp`` is chosen when ``--tp`` is not given: ``rest`` (every rank not taken by another axis) or
-    ``two`` (2 when the ranks divide by 2: seed 004's TP degree inside a node)."""
-    pp_default: ClassVar[str] = "two"
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.user_tp_plan: TPPlan | None = None
@@ -124,92 +113,6 @@ class ModelParallel(Strategy):
     def parameter_names(self, model: nn.Module) -> dict[int, str]:
         """``id -> name`` of the model's parameters now and before tensor parallelism replaced them."""
         return {**self._names_before_tp, **parameter_names(model)}
-
-    # ---- the preset -----------------------------------------------------------------------------------
-    @classmethod
-    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
-        return (1, dp) if cls.uses_fsdp else (dp, 1)
-
-    @classmethod
-    def topology_for(cls, world_size: int, config: StrategyConfig) -> Topology:
-        """``--tp``/``--pp`` when given (1 included: :meth:`check_topology` then refuses a preset's own axis at
-        degree 1); otherwise (``None``) the preset's default, which must give the same answer when the launcher
-        has already written the resolved data-parallel degrees into the config. An axis the preset does not
-        use defaults to 1."""
-        degrees = {
-            "tp": config.tp if config.tp is not None or not cls.uses_tp else None,
-            "pp": config.pp if config.pp is not None or not cls.uses_pp else None,
-        }
-        degrees = {a: 1 if v is None and not getattr(cls, f"uses_{a}") else v for a, v in degrees.items()}
-        free = [a for a, v in degrees.items() if v is None]
-        if free:
-            fixed = (degrees["tp"] or 1) * (degrees["pp"] or 1)
-            dp_given = config.dp_replicate is not None or config.dp_shard is not None
-            dp = (config.dp_replicate or 1) * (config.dp_shard or 1) if dp_given else 1
-            avail = world_size // (fixed * dp) if world_size % (fixed * dp) == 0 else 1
-            for i, axis in enumerate(free):
-                last = i == len(free) - 1
-                default = cls.tp_default if axis == "tp" else cls.pp_default
-                if last and (dp_given or default == "rest"):
-                    value = avail  # the data-parallel degrees are set: the last free axis takes the rest
-                else:
-                    value = 2 if avail % 2 == 0 else 1
-                degrees[axis] = value
-                avail //= value
-        tp, pp = degrees["tp"], degrees["pp"]
-        assert tp is not None and pp is not None
-        return super().topology_for(world_size, dataclasses.replace(config, tp=tp, pp=pp))
-
-    @classmethod
-    def check_own_axes(cls, topology: Topology, config: StrategyConfig) -> None:
-        """Refuse a preset whose own axis (``tp`` and/or ``pp``) has degree 1: given so (``--tp 1``) or left to
-        the preset's default on a world it does not divide. ``paratrain plan`` applies the same rule."""
-        lost = [axis for axis, used, degree in (("tp", cls.uses_tp, topology.tp), ("pp", cls.uses_pp, topology.pp))
-                if used and degree == 1 and topology.world_size > 1 and cls.name != "single"]  # fmt: skip
-        if not lost:
-            return
-        explicit = [a for a in lost if getattr(config, a) is not None]
-        if explicit:
-            flags = " ".join(f"--{a} 1" for a in explicit)
-            rest = [a for a in ("tp", "pp") if getattr(cls, f"uses_{a}") and a not in explicit]
-            if rest:  # fsdp+tp+pp without one of its axes
-                without = "fsdp+" + "+".join(rest)
-            else:
-                without = "zero3" if cls.uses_fsdp else "ddp"
-            raise ConfigError(
-                f"strategy {cls.name!r} splits the model over its {' and '.join(explicit)} axis, but {flags} was "
-                f"given, which would run it without that axis. Give a degree above 1 that divides the "
-                f"{topology.world_size} ranks, or use --strategy {without}."
-            )
-        asked = " x ".join(f"{a} {getattr(topology, a)}" for a in ("tp", "pp") if getattr(cls, f"uses_{a}"))
-        raise ConfigError(
-            f"strategy {cls.name!r} on {topology.world_size} ranks came out as {asked}: its "
-            f"{' and '.join(lost)} axis would have degree 1, so the job would run without it. Give "
-            + " and ".join(f"--{a} N (N > 1, dividing the ranks)" for a in lost)
-            + f", run on a multiple of {2 ** (int(cls.uses_tp) + int(cls.uses_pp))} ranks, or use a strategy "
-            "without that axis."
-        )
-
-    @classmethod
-    def check_topology(cls, topology: Topology, config: StrategyConfig) -> None:
-        cls.check_own_axes(topology, config)
-        if topology.tp > 1 and not cls.uses_tp:
-            raise ConfigError(
-                f"strategy {cls.name!r} does not split tensors, but --tp {topology.tp} was given. "
-                "Use --strategy fsdp+tp+pp to combine pipeline and tensor parallelism."
-            )
-        if topology.pp > 1 and not cls.uses_pp:
-            raise ConfigError(
-                f"strategy {cls.name!r} has no pipeline, but --pp {topology.pp} was given. Use --strategy "
-                "fsdp+tp+pp to combine tensor and pipeline parallelism."
-            )
-        if topology.dp_shard > 1 and not cls.uses_fsdp:
-            raise ConfigError(
-                f"strategy {cls.name!r} replicates the model over its {topology.dp_size} data-parallel ranks; "
-                f"--dp-shard {topology.dp_shard} needs FSDP: use --strategy fsdp+{cls.name}."
-            )
-        if config.loss_parallel and topology.tp == 1 and cls.uses_tp and topology.world_size > 1:
-            raise ConfigError("--loss-parallel shards the logits over tp ranks; it needs --tp 2 or more.")
 
     @classmethod
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
@@ -290,7 +193,6 @@ class ModelParallel(Strategy):
 
 
 class _TensorParallel(ModelParallel):
-    uses_tp = True
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = model.to(self.ctx.device)
@@ -329,14 +231,9 @@ class _TensorParallel(ModelParallel):
 
 @register_strategy("tp")
 class TensorParallel(_TensorParallel):
-    description = (
-        "tensor parallel (Megatron, DTensor): every rank holds 1/tp of each layer; replicas over the rest"
-    )
-    tp_default = "rest"
+    """Megatron tensor parallelism; the data-parallel ranks left over are replicas."""
 
 
 @register_strategy("fsdp+tp")
 class FSDPTensorParallel(_TensorParallel):
-    description = "2-D: tensor parallel inside a node (innermost axis), FSDP2 over the data-parallel ranks"
-    uses_fsdp = True
-    supports_mixed_precision = True
+    """Tensor parallelism inside a node, FSDP2 over the data-parallel ranks."""

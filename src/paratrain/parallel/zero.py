@@ -73,7 +73,6 @@ from torch import nn
 
 from paratrain.comm.shm import ShmCommunicator
 from paratrain.comm.shm_hier import nodes_of
-from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.optim import clone_optimizer
 from paratrain.parallel.registry import register_strategy
@@ -303,19 +302,10 @@ class _ZeroStage(Strategy):
     """Shared by ``zero1`` and ``zero2``: replicated parameters, :class:`ShardedOptimizer`."""
 
     shard_gradients = False
-    shard_axis_only = True
-    comm_algorithms = ("native", "shm")
-    comm_algorithms_help = (
-        "'native': the backend's reduce-scatter and all-gather; 'shm': through shared memory"
-    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.optimizer: ShardedOptimizer | None = None
-
-    @classmethod
-    def dp_degrees(cls, dp: int, config: StrategyConfig) -> tuple[int, int]:
-        return 1, dp  # every data-parallel rank owns 1/dp of the optimizer state
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = model.to(self.ctx.device)
@@ -375,13 +365,13 @@ class _ZeroStage(Strategy):
 
 @register_strategy("zero1")
 class Zero1(_ZeroStage):
-    description = "ZeRO-1: optimizer state sharded; gradients reduce-scattered + parameters all-gathered (2Ψ)"
+    """Optimizer state sharded; gradients reduce-scattered after backward."""
+
     shard_gradients = False
 
 
 @register_strategy("zero2")
 class Zero2(_ZeroStage):
-    description = (
-        "ZeRO-2: optimizer state and gradients sharded (reduce-scatter in backward); params replicated"
-    )
+    """Optimizer state and gradients sharded: each bucket reduce-scattered during backward."""
+
     shard_gradients = True

@@ -7,7 +7,6 @@ See docs/plan.md. Entry points: :func:`plan` (one model × layouts × batch × c
 from __future__ import annotations
 
 from paratrain.plan.api import Workload, evaluate, plan
-from paratrain.plan.cluster import PRESETS, Cluster, calibrate, preset
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import (
     ModelSpec,
@@ -17,6 +16,7 @@ from paratrain.plan.model import (
     spec_from_params,
     spec_from_shape,
 )
+from paratrain.spec.hardware import PRESETS, Cluster, calibrate, preset
 
 __all__ = [
     "PRESETS",

@@ -28,11 +28,11 @@ from paratrain.plan import implementation as impl
 from paratrain.plan import layout as lay
 from paratrain.plan import memory as mem
 from paratrain.plan import peak as pk
-from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec, ParamGroup
 from paratrain.plan.time import model_flops_per_sample, stage_flops_per_sample, step_time
+from paratrain.spec.hardware import Cluster
 
 DEFAULT_BATCH = 64
 """``paratrain train``'s default global batch; the planner rounds it up to a multiple of the GPUs."""
@@ -272,7 +272,7 @@ def header(spec: ModelSpec, cluster: Cluster, w: Workload) -> dict[str, Any]:
 def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout]]:
     """ddp, zero1, zero2, zero3 and, for a transformer, the valid tp / pp / tp×pp layouts (pp up to 8)."""
     g = cluster.gpus
-    out = [(name, lay.STRATEGIES[name].sharding, Layout(dp_replicate=g) if name == "ddp" else Layout(dp_shard=g))
+    out: list[tuple[str, str, Layout]] = [(name, lay.STRATEGIES[name].sharding, Layout.of(dp_replicate=g) if name == "ddp" else Layout.of(dp_shard=g))
            for name in lay.DATA_PARALLEL]  # fmt: skip
     sh = spec.shape
     if sh is None:
@@ -282,7 +282,7 @@ def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, L
     pairs = [(t, 1) for t in tps] + [(1, p) for p in pps]
     pairs += [(tps[-1], p) for p in pps if tps and g % (tps[-1] * p) == 0]
     for t, p in pairs:
-        layout = Layout(dp_shard=g // (t * p), tp=t, pp=p)
+        layout = Layout.of(dp_shard=g // (t * p), tp=t, pp=p)
         name = lay.name_for(layout)
         out.append((name, lay.STRATEGIES[name].sharding if layout.dp == 1 else "full", layout))
     return out

@@ -16,7 +16,6 @@ from dataclasses import replace
 from typing import Any
 
 from paratrain.errors import ConfigError, suggest
-from paratrain.plan import cluster as cl
 from paratrain.plan.api import Workload, plan
 from paratrain.plan.model import (
     FALLBACK_SHAPES,
@@ -28,6 +27,7 @@ from paratrain.plan.model import (
 )
 from paratrain.plan.recommend import recommend, sweep
 from paratrain.plan.report import format_plans, format_sweep
+from paratrain.spec import hardware as cl
 
 ModelBuilder = Callable[[str], tuple[Any, Any]]
 DIGITS_INPUT = (1, 8, 8)
@@ -96,38 +96,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="PNG", help="bytes per rank by component, and the time breakdown")
 
 
-def _llama_module() -> Any:
-    # a missing or broken models.llama must fail here, not silently drop the Llama presets from the planner
-    from paratrain.models import llama
-
-    return llama
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def default_model_builder(name: str) -> tuple[Any, Any]:
-    """``(module on the meta device or None, transformer config/shape or None)`` for ``--model NAME``."""
-    import torch
+    """``(module on the meta device or None, transformer config/shape or None)`` for ``--model NAME``.
 
-    llama = _llama_module()
-    presets = getattr(llama, "PRESETS", {}) if llama is not None else {}
-    if name in presets:
-        cfg = presets[name]
-        for ctor in ("Llama", "LlamaModel", "Transformer"):
-            cls = getattr(llama, ctor, None)
-            if callable(cls):
-                try:
-                    with torch.device("meta"):
-                        return cls(cfg), cfg
-                except Exception:  # an unexpected constructor: plan from the shape instead
-                    break
-        return None, cfg
+    A Llama preset is planned from its module on the meta device when torch is importable (exact parameter
+    names for the activation trace), from its shape alone otherwise; the other models need torch to count
+    their parameters."""
+    from paratrain.spec.llama import PRESETS
+
+    if name in PRESETS:
+        cfg = PRESETS[name]
+        if not _torch_available():
+            return None, cfg
+        import torch
+
+        from paratrain.models.llama import Llama
+
+        with torch.device("meta"):
+            return Llama(cfg), cfg
     if name in FALLBACK_SHAPES:
         return None, FALLBACK_SHAPES[name]
+    if not _torch_available():
+        raise ConfigError(
+            f"planning model {name!r} needs torch to count its parameters (it is not a transformer shape). "
+            "Install torch, or plan a shape: --model llama-*, or --params N."
+        )
+    import torch
+
     from paratrain.config import ModelConfig
     from paratrain.models import available_models, build_model
 
     known = available_models()
     if name not in known:
-        raise ConfigError(f"unknown model {name!r}. {suggest(name, [*known, *presets, *FALLBACK_SHAPES])}")
+        raise ConfigError(f"unknown model {name!r}. {suggest(name, [*known, *PRESETS, *FALLBACK_SHAPES])}")
     with torch.device("meta"):
         return build_model(ModelConfig(name=name), DIGITS_INPUT, 10), None
 

@@ -1,8 +1,8 @@
-"""What a layout communicates per step, costed with the α–β model of :mod:`paratrain.comm.cost` on each link.
+"""What a layout communicates per step, costed with the α–β model of :mod:`paratrain.spec.cost` on each link.
 
 The cost model itself (α per message, β per byte, γ per byte reduced), the time of every algorithm of
 :mod:`paratrain.comm`, and nccl-tests' algbw/busbw conventions are defined once, in
-:mod:`paratrain.comm.cost` (whose docstring has the table), and imported here: prediction and measurement
+:mod:`paratrain.spec.cost` (whose docstring has the table), and imported here: prediction and measurement
 share one vocabulary. The bytes a rank *sends* in one collective are S × the bus factor (2(n−1)/n for
 all_reduce, (n−1)/n for all_gather and reduce_scatter, 1 for broadcast, reduce and point-to-point).
 
@@ -25,9 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from paratrain.plan.layout import Layout
+
 # The measurement vocabulary (nccl-tests' bus factors, algbw/busbw) and the α–β costs of paratrain's own
-# algorithms are defined once, in :mod:`paratrain.comm.cost`, and shared by prediction and measurement.
-from paratrain.comm.cost import (
+# algorithms are defined once, in :mod:`paratrain.spec.cost`, and shared by prediction and measurement.
+from paratrain.spec.cost import (
     BUS_FACTORS,
     PIECE_BYTES,
     LinkModel,
@@ -37,8 +39,7 @@ from paratrain.comm.cost import (
     predict,
     ring_pieces,
 )
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.layout import Layout
+from paratrain.spec.hardware import Cluster
 
 __all__ = [
     "BUS_FACTORS",

@@ -23,9 +23,9 @@ from paratrain.errors import ConfigError
 from paratrain.plan import layout as lay
 from paratrain.plan import memory as mem
 from paratrain.plan.api import Workload, evaluate, header, stages
-from paratrain.plan.cluster import Cluster
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec
+from paratrain.spec.hardware import Cluster
 
 
 def _divisors(n: int) -> list[int]:
@@ -43,16 +43,16 @@ def candidates(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout
         for p in pps:
             dp = g // (t * p)
             if t == 1 and p == 1:
-                out += [("ddp", "none", Layout(dp_replicate=dp))]
+                out += [("ddp", "none", Layout.of(dp_replicate=dp))]
                 out += [
-                    (s, lay.STRATEGIES[s].sharding, Layout(dp_shard=dp)) for s in ("zero1", "zero2", "zero3")
+                    (s, lay.STRATEGIES[s].sharding, Layout.of(dp_shard=dp)) for s in ("zero1", "zero2", "zero3")
                 ]
                 out += [
-                    ("hsdp", "full", Layout(dp_replicate=dp // s, dp_shard=s)) for s in _divisors(dp)[1:-1]
+                    ("hsdp", "full", Layout.of(dp_replicate=dp // s, dp_shard=s)) for s in _divisors(dp)[1:-1]
                 ]
                 continue
             for s in _divisors(dp):
-                layout = Layout(dp_replicate=dp // s, dp_shard=s, tp=t, pp=p)
+                layout = Layout.of(dp_replicate=dp // s, dp_shard=s, tp=t, pp=p)
                 if dp > 1 and s == 1:
                     continue  # replicas without sharding: FSDP over the same ranks holds less for the same traffic
                 name = lay.name_for(layout)
@@ -128,7 +128,7 @@ def recommend(
     # fastest first; near-ties (within 0.1%) go to the layout with the lower peak, i.e. the most headroom
     fitting.sort(key=lambda p: (float(f"{p['step_time_s']:.3g}"), p["bytes_per_rank"]["peak"]))
     for rank, p in enumerate(fitting):
-        label = _label(p["strategy"], Layout(**p["layout"]), p["activation_checkpointing"])
+        label = _label(p["strategy"], Layout.of(**p["layout"]), p["activation_checkpointing"])
         head = "fastest" if rank == 0 else f"{p['step_time_s'] / fitting[0]['step_time_s']:.2f}x the fastest"
         exposed = p["time_s"]["exposed_comm"] + p["time_s"]["bubble"]
         p["reason"] = (

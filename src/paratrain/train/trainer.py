@@ -37,6 +37,7 @@ from paratrain.data import Batch, DistributedBatchSampler, Splits
 from paratrain.faults import peer_guard
 from paratrain.parallel import Strategy, canonical_name, model_state_bytes
 from paratrain.runtime import Context, get_logger
+from paratrain.spec.hardware import gpu_peak_flops
 from paratrain.train.desync import check_desync
 from paratrain.train.lifecycle import RunLifecycle
 from paratrain.train.memory import measure_peak
@@ -483,6 +484,14 @@ class Trainer:
         )
 
 
+def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
+    """Peak dense FLOP/s of ``device`` at ``precision`` (16-bit for bf16/fp16), or ``None`` when unknown
+    (CPUs, and GPUs not in the table). Used for MFU; never guessed."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
+
+
 def model_flops_utilization(
     model: nn.Module, ctx: Context, seq_len: int, tokens_per_s: float | None, precision: str
 ) -> float | None:
@@ -490,7 +499,6 @@ def model_flops_utilization(
     with FLOPs per token = 6·N + 12·L·H·Q·T (:func:`paratrain.models.llama.flops_per_token`). ``None`` when
     the peak of the device is not known (every CPU) or the model is not a transformer."""
     from paratrain.models.llama import flops_per_token
-    from paratrain.runtime import device_peak_flops
 
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
     peak = device_peak_flops(ctx.device, precision)

@@ -34,7 +34,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paratrain.comm.ring import PIECE_BYTES
+PIECE_BYTES = 4 << 20
+"""The ring's default pipelining granularity (:mod:`paratrain.comm.ring`). Smaller pieces overlap more but
+pay α per piece."""
 
 BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

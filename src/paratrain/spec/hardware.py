@@ -96,6 +96,43 @@ class Cluster:
 
 
 _GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator's data-sheet figures: dense peak FLOP/s (no 2:4 sparsity) and memory."""
+
+    name: str
+    """Fragment of the device name as ``torch.cuda.get_device_name`` reports it (``H100``)."""
+    half_flops: float
+    """Dense bf16/fp16 tensor-core FLOP/s."""
+    single_flops: float
+    """Dense fp32 FLOP/s (tf32 where the vendor quotes it for training)."""
+    mem_bytes: float
+    source: str
+
+
+GPUS: tuple[GPU, ...] = (
+    GPU("H200", 989e12, 67e12, 141 * _GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    GPU("H100", 989e12, 67e12, 80 * _GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+    GPU("A100", 312e12, 19.5e12, 80 * _GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
+    GPU("L40S", 362e12, 91.6e12, 48 * _GB, "NVIDIA L40S datasheet"),
+    GPU("A10", 125e12, 31.2e12, 24 * _GB, "NVIDIA A10 datasheet"),
+    GPU("V100", 125e12, 15.7e12, 32 * _GB, "NVIDIA V100 datasheet (SXM2)"),
+)
+"""The one table of GPU peaks, read by MFU (:func:`paratrain.runtime.device_peak_flops`) and the planner.
+Longer names first, so that ``H100`` is not taken for ``H10``."""
+
+
+def gpu_peak_flops(device_name: str, precision: str = "bf16") -> float | None:
+    """Peak dense FLOP/s of the GPU called ``device_name`` at ``precision`` (16-bit for bf16/fp16), or
+    ``None`` when it is not in :data:`GPUS` (never guessed)."""
+    for gpu in GPUS:
+        if gpu.name in device_name:
+            return gpu.half_flops if precision in ("bf16", "fp16") else gpu.single_flops
+    return None
+
+
 PRESETS: dict[str, Cluster] = {
     "h100-nvlink-ib": Cluster(
         gpus=8, gpus_per_node=8, gpu_mem_bytes=80 * _GB, gpu_flops=989e12, intra_bw=450 * _GB,
