@@ -74,7 +74,7 @@ def _dp_paths() -> dict[str, Any]:
         out[name] = {
             "grads": grads,
             "expect": everyone / dist.get_world_size(),
-            "in_arena": reducer.shm is not None,
+            "in_arena": reducer.zero_copy,
             "buckets": len(reducer.buckets),
         }
         reducer.close()

@@ -21,14 +21,14 @@ Communication schedule of one optimizer step, on every rank:
    ``isend``/``irecv``, so they run on one background thread, bucket after bucket, on a process group of
    their own (a p2p schedule must never interleave with collectives the main thread issues, such as
    SyncBatchNorm's). ``shm`` runs on that thread too, and is **zero-copy** on CPU: the buckets are
-   allocated inside the shared-memory segment (:meth:`ShmCommunicator.allocate`), the peers read a bucket
-   where it lies (:meth:`~paratrain.comm.shm.ShmCommunicator.all_reduce_inplace_slot`), and after the
+   allocated inside the shared-memory segment (:class:`~paratrain.comm.communicator.BucketAllReduce`), the peers read a bucket
+   where it lies (``all_reduce_inplace_slot``), and after the
    reduction each ``param.grad`` *is* its view of the bucket, so nothing is copied back. That needs an
    arena of the buckets' bytes per rank in ``/dev/shm`` (N ranks: N times the gradients); when that
    would take more than half of the free space of ``/dev/shm`` (or the tensors are on a GPU), the buckets
    stay ordinary tensors and are copied through the segment's slots (``comm.all_reduce(..., "shm")``).
    On several nodes ``shm`` is the hierarchical all-reduce (shm inside each node, the backend's
-   all-reduce between them: :class:`~paratrain.comm.shm_hier.HierarchicalAllReduce`), copying.
+   all-reduce between them: ``HierarchicalAllReduce``), copying.
 4. end of backward (an autograd-engine callback, so ``loss.backward()`` returns with synchronised
    gradients, as with DDP): buckets not launched yet (they hold a parameter that got no gradient in this
    backward) are launched with zeros in its place; then we **wait** for every bucket, and copy the
@@ -44,7 +44,6 @@ World size 1 installs nothing: no hooks, no copies, no communication.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,8 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain import comm
-from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
-from paratrain.comm.shm_hier import HierarchicalAllReduce
+from paratrain.comm.communicator import BucketAllReduce
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
 from paratrain.runtime import get_logger
@@ -115,35 +113,6 @@ def _comm_all_reduce() -> Callable[..., Any]:
     return run
 
 
-SHM_ARENA_SHARE = 0.5
-"""The zero-copy ``shm`` path takes at most this share of the free space of ``/dev/shm``."""
-
-
-def _shm_zero_copy(buckets: list[_Bucket], group: Any) -> ShmCommunicator | None:
-    """A communicator whose arena holds every bucket, with the buckets moved into it (collective), or
-    ``None`` when the zero-copy path cannot be used (GPU tensors, or too little room in ``/dev/shm``: every
-    rank then takes the copying path, decided together)."""
-    if any(b.buffer.device.type != "cpu" for b in buckets):
-        return None
-    need = sum(-(-b.buffer.numel() * b.buffer.element_size() // 64) * 64 for b in buckets)
-    n = dist.get_world_size(group)
-    try:
-        st = os.statvfs("/dev/shm")
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        free = 0
-    total = n * need + (2 * n + 2) * DEFAULT_CAPACITY_BYTES
-    fits = torch.tensor([1 if total <= SHM_ARENA_SHARE * free else 0])
-    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)  # one path for every rank
-    if not fits.item():
-        return None
-    shm = ShmCommunicator(group, arena_bytes=need)
-    for b in buckets:
-        b.buffer = shm.allocate(tuple(b.buffer.shape), b.buffer.dtype)
-        b.buffer.zero_()
-    return shm
-
-
 class GradReducer:
     """Bucketed, overlapped gradient all-reduce for one replicated module (see the module docstring)."""
 
@@ -194,21 +163,16 @@ class GradReducer:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
             self.group = dist.new_group(ranks)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-dp")
-        self.shm: ShmCommunicator | None = None
-        """``shm`` zero-copy path: the communicator whose arena holds the buckets (``None``: copying)."""
-        self.hierarchical: HierarchicalAllReduce | None = None
-        """``shm`` over several nodes: shm inside each node, the backend between them (no zero-copy)."""
-        hier = HierarchicalAllReduce.for_group(self.group) if algorithm == "shm" else None  # collective
-        if hier is not None:
-            self.hierarchical = hier
-            get_logger().info("dp --comm-algorithm shm: %s", hier.describe())
-            self._p2p = lambda buf, _group, _alg: hier.all_reduce(buf, "sum")
-        elif algorithm == "shm" and zero_copy:
-            self.shm = _shm_zero_copy(self.buckets, self.group)
-            if self.shm is not None:
-                shm = self.shm
-                # a sum: the gradients were divided by the world size on their way into the bucket
-                self._p2p = lambda buf, _group, _alg: shm.all_reduce_inplace_slot(buf, "sum")
+        # the transport (collective): shared memory on one host (zero-copy: the buckets live in its arena),
+        # shm inside each host and the backend between them, or the algorithm through paratrain.comm
+        self.transport = BucketAllReduce(self.group, algorithm, self.buckets, zero_copy)
+        self.zero_copy = self.transport.arena is not None
+        if self.transport.custom:
+            if algorithm == "shm":
+                get_logger().info("dp --comm-algorithm shm: %s", self.transport.description)
+            transport = self.transport
+            # a sum: the gradients were divided by the world size on their way into the bucket
+            self._p2p = lambda buf, _group, _alg: transport(buf)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._reset()
 
@@ -281,7 +245,7 @@ class GradReducer:
                     p.grad = None  # no rank produced a gradient: leave it unset, as one process would
                     continue
                 avg = buf[off : off + p.numel()].view_as(p)
-                if self.shm is not None:
+                if self.zero_copy:
                     p.grad = avg  # zero-copy: the gradient is its view of the bucket, nothing copied back
                 elif p.grad is None:
                     p.grad = avg.clone()
@@ -303,10 +267,7 @@ class GradReducer:
             h.remove()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self.shm is not None:
-            self.shm.close()  # gradients that still view the arena keep the mapping alive
-        if self.hierarchical is not None:
-            self.hierarchical.close()
+        self.transport.close()
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None, params: bool = True) -> None:

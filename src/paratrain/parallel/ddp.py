@@ -15,13 +15,13 @@ Configuration, and why:
 - ``find_unused_parameters`` is off unless asked for: it walks the autograd graph after every forward.
   Parameters that get no gradient are then reported by name, with the reason (see :class:`_DDP`);
 - ``--comm-algorithm shm`` registers a DDP communication hook
-  (:func:`paratrain.comm.shm_hook.shm_allreduce_hook`): the reducer still builds and orders the buckets,
+  (:func:`paratrain.comm.communicator.ddp_comm_hook`): the reducer still builds and orders the buckets,
   but each bucket's all-reduce goes through one shared-memory segment of the ranks of this host, on a
   worker thread of the hook's state, instead of Gloo's TCP loopback. The gradients then alias the buckets
   (``gradient_as_bucket_view`` on): the hook's all-reduce reads the peers' buckets where they lie, so
   copying every gradient into its bucket and back would be the only copies left. On several nodes the
   hook runs the hierarchical all-reduce: shm inside each node, the backend's all-reduce between them
-  (:class:`paratrain.comm.shm_hier.HierarchicalAllReduce`). Other algorithms are refused (they are
+  (chosen in :mod:`paratrain.comm.communicator`). Other algorithms are refused (they are
   ``dp``'s; torch's reducer only takes a hook).
 
 Reference: https://pytorch.org/docs/stable/notes/ddp.html
@@ -37,8 +37,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from paratrain.comm.shm_hier import HierarchicalAllReduce
-from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
+from paratrain.comm.communicator import ddp_comm_hook
 from paratrain.parallel.layers import SyncBatchNorm
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import Strategy
@@ -123,7 +122,7 @@ class NativeDDP(Strategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.hook_state: ShmHookState | None = None
+        self.hook_state: Any = None
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         # The model must live on its device *before* wrapping: DDP registers hooks on these parameters and
@@ -146,13 +145,9 @@ class NativeDDP(Strategy):
             find_unused_parameters=self.config.find_unused_parameters,
         )
         if self.config.comm_algorithm == "shm":  # every bucket through shared memory (collective)
-            hier = HierarchicalAllReduce.for_group(self.dp_group)  # several nodes: shm inside each
-            if hier is None:
-                self.hook_state = ShmHookState.create(self.dp_group)
-            else:
-                self.hook_state = ShmHookState(hier)
-                get_logger().info("ddp --comm-algorithm shm: %s", hier.describe())
-            ddp.register_comm_hook(self.hook_state, shm_allreduce_hook)
+            self.hook_state, hook, how = ddp_comm_hook(self.dp_group)  # several nodes: shm inside each
+            get_logger().info("ddp --comm-algorithm shm: %s", how)
+            ddp.register_comm_hook(self.hook_state, hook)
         return ddp, optimizer
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:

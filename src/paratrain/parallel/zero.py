@@ -37,7 +37,7 @@ rank-major so that one collective moves a whole bucket):
    at the 4Ψ + 4Ψ/N of keeping every send buffer until ``step()``.
 
    With ``--comm-algorithm shm`` the reduce-scatters run through one shared-memory segment of the
-   group's ranks (:class:`~paratrain.comm.shm.ShmCommunicator`, ``reduce_scatter``: torch's
+   group's ranks (:func:`~paratrain.comm.communicator.sharded_communicator`, ``reduce_scatter``: torch's
    ``reduce_scatter_tensor`` semantics, which the rank-major layout has) on one worker thread, FIFO, so
    backward still overlaps them; the all-gathers of phase 3 go through it on the main thread, one bucket
    at a time.
@@ -71,8 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm.shm import ShmCommunicator
-from paratrain.comm.shm_hier import nodes_of
+from paratrain.comm.communicator import sharded_communicator
 from paratrain.errors import ConfigError
 from paratrain.parallel.optim import clone_optimizer
 from paratrain.parallel.registry import register_strategy
@@ -147,17 +146,10 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         ]
         self.optim = clone_optimizer(optimizer, inner_groups)
         self._in_flight: deque[_Bucket] = deque()  # launched reduce-scatters, oldest first
-        self.shm: ShmCommunicator | None = None
+        self.shm: Any = None
         self._executor: ThreadPoolExecutor | None = None
         if comm_algorithm == "shm" and self.world > 1:  # collective: every rank of the group creates it
-            if len(nodes_of(group)) > 1:
-                raise ConfigError(
-                    f"--comm-algorithm shm: ZeRO's reduce-scatter and all-gather through shared memory reach "
-                    f"the ranks of one node, and this run's {self.world} ranks are on several. Use "
-                    "--comm-algorithm native across nodes (or --strategy ddp/dp, whose shm all-reduce is "
-                    "hierarchical: shm inside each node, the backend between them)."
-                )
-            self.shm = ShmCommunicator(group)
+            self.shm = sharded_communicator(group, self.world)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-zero-shm")
         self._hooks: list[Any] = []
         if self.world > 1:
