@@ -28,11 +28,29 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+def early_checks(cfg: RunConfig) -> None:
+    """The refusals that need no torch, before anything imports it (a typo is answered in well under a
+    second): the strategy name, and, when the world size is known without asking for GPUs (``--nproc-per-node``
+    or ``--device cpu``, a fixed ``--nnodes``), the strategy's degrees and the batch split."""
+    from paratrain.spec import strategies as specs
+
+    name = specs.canonical(cfg.strategy.name)
+    launch = cfg.launch
+    nproc = launch.nproc_per_node or (2 if launch.device == "cpu" else None)
+    if nproc is None or ":" in launch.nnodes or not launch.nnodes.isdigit():
+        return
+    world = nproc * int(launch.nnodes)
+    topology = specs.check(name, world, cfg.strategy, nproc)
+    cfg.validate(world, topology.dp_size)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    early_checks(cfg)
+
     from paratrain.launch import LaunchError
     from paratrain.launch.train_job import run_training
 
-    cfg = build_config(args)
     try:
         summary = run_training(cfg, quiet=args.json)
     except LaunchError as e:
