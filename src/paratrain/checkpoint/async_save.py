@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from paratrain.checkpoint.errors import CheckpointError, save_failure_message
 from paratrain.checkpoint.integrity import FileDigest, HashingWriter
-from paratrain.checkpoint.manager import CheckpointError, save_failure_message
 from paratrain.runtime import Context
 
 

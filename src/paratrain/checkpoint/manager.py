@@ -34,7 +34,6 @@ Reference: https://pytorch.org/docs/stable/distributed.checkpoint.html
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -54,6 +53,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.checkpoint import safe
+from paratrain.checkpoint.errors import CheckpointError, DamagedCheckpointError, save_failure_message
 from paratrain.checkpoint.integrity import (
     COMMIT_FILE,
     FileDigest,
@@ -111,22 +111,6 @@ __all__ = [
     "step_dir_name",
     "step_of",
 ]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or saved; the message says which and why."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """The checkpoint's files are not what was written (corrupt, partial, tampered): ``--resume auto``
-    falls back to an older one. (A checkpoint of another model is a plain :class:`CheckpointError`.)"""
-
-    def __init__(self, message: str, model_touched: bool = False, problems: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.model_touched = model_touched
-        """True when the failure came after tensors were already copied into the model/optimizer."""
-        self.problems = problems or [message]
-        """What is wrong, without the advice for ``--resume PATH`` (what a fallback reports)."""
 
 
 @dataclass
@@ -531,28 +515,6 @@ def _one_line(e: BaseException) -> str:
     if isinstance(root, CheckpointException):
         return "DCP reported a failure"
     return safe.describe_read_error(root)
-
-
-def save_failure_message(e: BaseException, tmp: Path, step_name: str) -> str:
-    """One line for a failed save: a full disk says so and names the file; other errors name their cause."""
-    full = next(
-        (c for c in safe.causes(e) if isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)),
-        None,
-    )
-    if full is not None:
-        return (
-            f"No space left on device while writing {full.filename or tmp}; the partial checkpoint was removed. "
-            "Free space or use --ckpt-dir on another disk."
-        )
-    oserr = safe.first_cause(e, OSError)
-    if oserr is not None and oserr.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return (
-            f"cannot write checkpoint {step_name}: {oserr.strerror} ({oserr.filename or tmp}); the partial "
-            "checkpoint was removed. Use a writable --ckpt-dir."
-        )
-    root = next((c for c in safe.causes(e) if not isinstance(c, CheckpointException)), e)
-    text = (str(root).strip().splitlines() or [""])[0][:300]
-    return f"saving checkpoint {step_name} failed: {type(root).__name__}: {text}"
 
 
 # ---- small helpers -----------------------------------------------------------------------------------------------

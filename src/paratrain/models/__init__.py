@@ -80,3 +80,7 @@ def _load_builtin() -> None:
         for name in PRESETS:
             _REGISTRY[name] = _llama(name)
     from paratrain.models import cnn, mlp, resnet  # noqa: F401  (registers)
+
+
+# The built-in families' parallel plans (ModelSpec), registered with paratrain.models.spec on import.
+from paratrain.models import llama_parallel  # noqa: E402, F401

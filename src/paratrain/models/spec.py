@@ -13,7 +13,8 @@ what the spec provides:
   units); without it, ``model.blocks`` or ``model.layers`` are used;
 - ``flops_per_token(model, seq_len)``: training FLOPs per token (forward + backward) for MFU.
 
-A family registers its spec with :func:`register_model_spec` under a predicate on the module (usually an
+A family registers its spec with :func:`register_model_spec` (the built-in families when
+:mod:`paratrain.models` is imported; this module imports none of them) under a predicate on the module (usually an
 ``isinstance`` test written in the family's own module), or a builder attaches one to an instance
 (:func:`attach_spec`), which wins: a model built at run time (a Hugging Face class, a user's factory)
 carries its own plans. A missing capability is ``None``, and the strategy that needs it refuses the model
@@ -58,7 +59,6 @@ class ModelSpec:
 
 
 _ENTRIES: list[tuple[Callable[[nn.Module], bool], ModelSpec]] = []
-_LOADED = False
 
 
 def register_model_spec(matches: Callable[[nn.Module], bool], spec: ModelSpec) -> ModelSpec:
@@ -78,7 +78,6 @@ def spec_of(model: nn.Module) -> ModelSpec | None:
     own = getattr(model, SPEC_ATTR, None)
     if isinstance(own, ModelSpec):
         return own
-    _load_builtin()
     for matches, spec in _ENTRIES:
         if matches(model):
             return spec
@@ -99,9 +98,3 @@ def model_blocks(model: nn.Module) -> list[nn.Module] | None:
             return list(blocks.values())
     return None
 
-
-def _load_builtin() -> None:
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        from paratrain.models import llama_parallel  # noqa: F401  (registers the Llama spec)

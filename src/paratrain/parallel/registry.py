@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from paratrain.config import StrategyConfig
+from paratrain.errors import ConfigError
 from paratrain.spec import strategies as specs
 
 if TYPE_CHECKING:
@@ -51,7 +52,11 @@ def strategy_aliases() -> dict[str, str]:
 def get_strategy(name: str) -> type[Strategy]:
     """The strategy class registered as ``name`` (or an alias of it); :class:`ConfigError` otherwise."""
     resolved = specs.canonical(name)
-    _load_builtin()
+    if resolved not in _REGISTRY:
+        raise ConfigError(
+            f"strategy {resolved!r} has a spec but no implementation registered (import paratrain.parallel, "
+            "which registers the built-in ones)."
+        )
     return _REGISTRY[resolved]
 
 
@@ -66,9 +71,3 @@ def check_strategy(
     """Every refusal of the strategy's spec (options, degrees, algorithm, schedule): :meth:`Strategy.check`."""
     cls.check(world_size, config, gpus_per_node)
 
-
-def _load_builtin() -> None:
-    from paratrain.parallel import bucketed, ddp, fsdp, pipeline, single, tensor, zero  # noqa: F401  (registers)
-
-    missing = set(specs.STRATEGIES) - set(_REGISTRY)
-    assert not missing, f"strategies without an implementation: {sorted(missing)}"
