@@ -4,22 +4,26 @@
     ctx = paratrain.init()                                   # reads the torchrun environment
     model, optimizer, strategy = paratrain.setup(model, optimizer, strategy="ddp", ctx=ctx)
 
-The names below are imported on first use, so ``import paratrain.diagnose.lint`` (pure source analysis)
+The names below are imported on first use, so ``paratrain.plan`` and ``paratrain.spec`` (pure numbers)
 does not pay for importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("paratrain")  # one version: the package metadata (pyproject.toml)
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "ConfigError": "paratrain.errors",
     "RunConfig": "paratrain.config",
     "Strategy": "paratrain.parallel",
-    "Topology": "paratrain.parallel",
+    "Topology": "paratrain.spec",
     "available_strategies": "paratrain.parallel",
     "setup": "paratrain.parallel",
     "Context": "paratrain.runtime",
@@ -33,7 +37,8 @@ _EXPORTS = {
 if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time __getattr__ imports them
     from paratrain.config import RunConfig  # noqa: F401
     from paratrain.errors import ConfigError  # noqa: F401
-    from paratrain.parallel import Strategy, Topology, available_strategies, setup  # noqa: F401
+    from paratrain.parallel import Strategy, available_strategies, setup  # noqa: F401
+    from paratrain.spec import Topology  # noqa: F401
     from paratrain.runtime import Context, get_logger, init, print0, shutdown  # noqa: F401
     from paratrain.train import Trainer  # noqa: F401
 

@@ -72,9 +72,23 @@ def _check_positive(section: str, name: str, value: float | int | None, allow_no
         raise ConfigError(f"{section}.{name} must be positive, got {value!r}. Set a value > 0.")
 
 
+def choice(default: str, choices: Sequence[str]) -> Any:
+    """A config field (not a flag) whose value is one of ``choices``, checked by :func:`_check_choices`."""
+    return field(default=default, metadata={"choices": tuple(choices)})
+
+
 def _check_choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{section}.{name}={value!r} is not valid. {suggest(value, choices)}")
+
+
+def _check_choices(obj: Any, section: str) -> None:
+    """Every field of ``obj`` declared with ``choices`` (:func:`option` or :func:`choice`) holds one of them:
+    the choices are stated once, where the field is declared."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            _check_choice(section, f.name, getattr(obj, f.name), choices)
 
 
 def _check_range(section: str, name: str, value: float, lo: float, hi: float, hi_open: bool = False) -> None:
@@ -208,7 +222,7 @@ class StrategyConfig:
     offload: bool = option(False)
     """``zero3``/``hsdp``: keep parameters, gradients and optimizer state on the CPU (FSDP2
     ``CPUOffloadPolicy``); the optimizer steps on the CPU. On a CPU-only machine this changes nothing."""
-    mixed_precision: str = "fp32"
+    mixed_precision: str = choice("fp32", ("fp32", "bf16"))
     """``zero3``/``hsdp``: ``fp32``, or ``bf16`` (bf16 parameters for compute and bf16 gradient reduction,
     fp32 sharded master weights and optimizer state; FSDP2 ``MixedPrecisionPolicy``)."""
     shard_units: str = "blocks"
@@ -227,19 +241,17 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         _check_positive("strategy", "microbatches", self.microbatches, allow_none=True)
-        _check_choice("strategy", "pp_schedule", self.pp_schedule, ["gpipe", "1f1b", "interleaved-1f1b"])
+        _check_choices(self, "strategy")
         _check_positive("strategy", "bucket_cap_mb", self.bucket_cap_mb)
         _check_positive("strategy", "shard_size", self.shard_size, allow_none=True)
         _check_positive("strategy", "dp_replicate", self.dp_replicate, allow_none=True)
         _check_positive("strategy", "dp_shard", self.dp_shard, allow_none=True)
         _check_positive("strategy", "tp", self.tp, allow_none=True)
         _check_positive("strategy", "pp", self.pp, allow_none=True)
-        _check_choice("strategy", "mixed_precision", self.mixed_precision, ["fp32", "bf16"])
         if not self.shard_units.strip():
             raise ConfigError(
                 "strategy.shard_units is empty: use blocks, root, or module names like blocks.0,head"
             )
-        _check_choice("strategy", "comm_algorithm", self.comm_algorithm, COMM_ALGORITHMS)
 
 
 @dataclass
@@ -256,16 +268,15 @@ class OptimizerConfig:
     """Adam betas, each in [0, 1)."""
     grad_clip: float | None = None
     """Clip gradients to this global L2 norm (computed across all ranks and shards). ``None``: no clipping."""
-    schedule: str = "constant"
+    schedule: str = choice("constant", ("constant", "cosine"))
     """Learning-rate schedule: ``constant`` or ``cosine`` (with ``warmup_steps`` of linear warm-up)."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
 
     def __post_init__(self) -> None:
-        _check_choice("optimizer", "name", self.name, ["adamw", "sgd"])
+        _check_choices(self, "optimizer")
         _check_positive("optimizer", "lr", self.lr)
         _check_positive("optimizer", "grad_clip", self.grad_clip, allow_none=True)
-        _check_choice("optimizer", "schedule", self.schedule, ["constant", "cosine"])
         if self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay!r}.")
         if self.momentum < 0:
@@ -338,12 +349,11 @@ class TrainConfig:
         _check_positive("train", "epochs", self.epochs, allow_none=True)
         _check_positive("train", "grad_accum", self.grad_accum)
         _check_positive("train", "log_every", self.log_every)
-        _check_choice("train", "precision", self.precision, ["fp32", "bf16", "fp16"])
+        _check_choices(self, "train")
         if self.steps is None and self.epochs is None:
             raise ConfigError("train: give train.steps or train.epochs (--steps N or --epochs N).")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every!r}.")
-        _check_choice("train", "on_nonfinite", self.on_nonfinite, ["stop", "skip"])
         if self.check_desync_every < 0:
             raise ConfigError(f"train.check_desync_every must be >= 0, got {self.check_desync_every!r}.")
         if self.max_nonfinite_skips < 0:
@@ -423,10 +433,7 @@ class LaunchConfig:
             raise ConfigError(f"launch.fail_rank must be >= 0, got {self.fail_rank!r}.")
         if self.node_rank < 0:
             raise ConfigError(f"launch.node_rank must be >= 0, got {self.node_rank!r}.")
-        _check_choice("launch", "backend", self.backend, ["auto", "gloo", "nccl"])
-        _check_choice("launch", "device", self.device, ["auto", "cpu", "cuda"])
-        _check_choice("launch", "rdzv_backend", self.rdzv_backend, ["c10d", "static"])
-        _check_choice("launch", "cpu_bind", self.cpu_bind, ["none", "cores"])
+        _check_choices(self, "launch")
         _check_positive("launch", "timeout_s", self.timeout_s)
         if self.max_restarts < 0:
             raise ConfigError(f"launch.max_restarts must be >= 0, got {self.max_restarts!r}.")
