@@ -38,8 +38,8 @@ if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time __getatt
     from paratrain.config import RunConfig  # noqa: F401
     from paratrain.errors import ConfigError  # noqa: F401
     from paratrain.parallel import Strategy, available_strategies, setup  # noqa: F401
-    from paratrain.spec import Topology  # noqa: F401
     from paratrain.runtime import Context, get_logger, init, print0, shutdown  # noqa: F401
+    from paratrain.spec import Topology  # noqa: F401
     from paratrain.train import Trainer  # noqa: F401
 
 
