@@ -41,7 +41,9 @@ def test_bounds_negative_numbers_and_missing_quotes(tmp_path: Path) -> None:
 
 
 def test_a_readme_figure_needs_an_index_entry() -> None:
-    readme = "## Results\n\n| what | figure | c |\n|---|---|---|\n| a | 1.02–1.15× | 4 ranks |\n| b | 3.5× | x |\n"
+    readme = (
+        "## Results\n\n| what | figure | c |\n|---|---|---|\n| a | 1.02–1.15× | 4 ranks |\n| b | 3.5× | x |\n"
+    )
     bad = check_claims.readme_figures_unindexed(readme, [{"quote": "1.02–1.15×", "readme": True}])
     assert len(bad) == 1 and "'b'" in bad[0]
 
