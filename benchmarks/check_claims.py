@@ -39,16 +39,27 @@ MB = 1 << 20
 
 
 def speedups(
-    docs: list[dict[str, Any]], collectives: str, world: int, min_bytes: int, max_bytes: int,
-    algorithm: str = "shm", baseline: str = "native",
+    docs: list[dict[str, Any]],
+    collectives: str,
+    world: int,
+    min_bytes: int,
+    max_bytes: int,
+    algorithm: str = "shm",
+    baseline: str = "native",
 ) -> list[float]:
     """``baseline``'s time / ``algorithm``'s for every (file, run, collective, size) that has both, from the
     ``rows`` of bench_shm/bench_comm JSON; ``collectives`` is a comma-separated list."""
     times: dict[tuple[int, int, str, int], dict[str, float]] = {}
     for i, d in enumerate(docs):
         for r in d["rows"]:
-            if r["collective"] in collectives.split(",") and r["world_size"] == world and min_bytes <= r["bytes"] <= max_bytes:
-                times.setdefault((i, r.get("run", 0), r["collective"], r["bytes"]), {})[r["algorithm"]] = r["time_s"]
+            if (
+                r["collective"] in collectives.split(",")
+                and r["world_size"] == world
+                and min_bytes <= r["bytes"] <= max_bytes
+            ):
+                times.setdefault((i, r.get("run", 0), r["collective"], r["bytes"]), {})[r["algorithm"]] = r[
+                    "time_s"
+                ]
     return [t[baseline] / t[algorithm] for t in times.values() if baseline in t and algorithm in t]
 
 
@@ -122,8 +133,10 @@ def readme_figures_unindexed(readme: str, claims: list[dict[str, Any]]) -> list[
         for q in quotes:
             rest = rest.replace(q, "")
         if re.search(r"\d", rest):
-            bad.append(f"README.md results row {cells[0]!r}: {cells[1]!r} has a figure that benchmarks/claims.toml "
-                       "does not index (add a claim with readme = true)")
+            bad.append(
+                f"README.md results row {cells[0]!r}: {cells[1]!r} has a figure that benchmarks/claims.toml "
+                "does not index (add a claim with readme = true)"
+            )
     return bad
 
 
@@ -145,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     failures += readme_figures_unindexed(texts["README.md"], claims)
     for line in failures:
         print(f"check_claims: {line}", file=sys.stderr)
-    print(f"check_claims: {len(claims) - len(failed & set(ids))} of {len(claims)} figures match their JSON",
-          file=sys.stderr)
+    print(
+        f"check_claims: {len(claims) - len(failed & set(ids))} of {len(claims)} figures match their JSON",
+        file=sys.stderr,
+    )
     return 1 if failures else 0
 
 
