@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   -> set up .venv, then `paratrain train` (digits CNN, ddp over 2 local processes)
-#   make test   -> set up .venv, then ruff, import-linter (layers), mypy and the test suite (not `slow`)
+#   make test   -> set up .venv, then ruff, import-linter (layers), mypy, the benchmark claims check
+#                  (every figure BENCHMARKS.md quotes against its JSON) and the test suite (not `slow`)
 #   make test-all -> the same with the slow tests too
 PY ?= python3
 VENV ?= .venv
@@ -8,8 +9,8 @@ BIN := $(VENV)/bin
 
 .PHONY: setup demo test test-all lint typecheck bench clean
 
-# `make test` (CI) runs every test not marked `slow`; `make test-all` runs them all (the slow ones are the
-# long multi-process runs: model-parallel equivalence, bf16 of every strategy, observability, kill tests).
+# `make test` (CI) runs every test not marked `slow`; `make test-all` runs them all (the slow tier repeats what
+# the default tier covers at more sizes and options: bf16 of every strategy, longer resharding chains, kill tests).
 PYTEST_ARGS ?= -m "not slow"
 
 $(BIN)/paratrain: pyproject.toml
@@ -29,6 +30,7 @@ test: setup
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	$(BIN)/python benchmarks/check_claims.py
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-all: setup

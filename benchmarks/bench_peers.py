@@ -71,19 +71,40 @@ def _model() -> Any:
 
 
 def _batches(rank: int, world: int, batch: int) -> Callable[[], tuple[Any, Any]]:
+    """This rank's batches: the same data set and the same order (paratrain's sampler, seed 0) as the
+    paratrain runners' ``bench-vectors`` set, so that every runner computes the same steps."""
     import torch
+
+    from paratrain.data import DistributedBatchSampler
 
     g = torch.Generator().manual_seed(0)
     n = max(512, 4 * batch * world)
     x, y = torch.randn(n, D_IN, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
-    pos = [0]
+    sampler = DistributedBatchSampler(n, batch * world, rank, world, seed=0)
 
     def next_batch() -> tuple[Any, Any]:
-        start = (pos[0] * batch * world) % (n - batch * world) + rank * batch
-        pos[0] += 1
-        return x[start : start + batch], y[start : start + batch]
+        idx = sampler.next_batch()
+        return x[idx], y[idx]
 
     return next_batch
+
+
+PARAM_TOL = 1e-4
+"""Largest relative L2 difference of a runner's final parameters from torch DDP's after the same steps: a
+runner further away did not compute the same thing, and its time is not reported."""
+
+
+def _param_vector(model: Any) -> Any:
+    """The full parameters of ``model`` (wrappers unwrapped, DTensors gathered) as one float64 vector."""
+    import torch
+
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    parts = []
+    for p in model.parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        parts.append(t.detach().reshape(-1).double())
+    return torch.cat(parts)
 
 
 def _loop(model: Any, opt: Any, backward: Callable[[Any], None], data: Callable[[], tuple[Any, Any]]) -> Step:
@@ -183,6 +204,9 @@ def _build(name: str, args: argparse.Namespace, ctx: Any, run_dir: str) -> tuple
         "optimizer.name=sgd", f"optimizer.lr={args.lr}", "optimizer.momentum=0.9", "train.progress=false",
         "checkpoint.save_at_end=false", "train.log_every=1000000", f"train.run_dir={run_dir}",
     ])  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)  # the same initial parameters as _model(), whatever was built before in this process
     trainer = build_trainer(cfg, ctx, Path(run_dir) / name.replace("+", "-"))
     return trainer.train_step, trainer.model, trainer.optimizer
 
@@ -261,13 +285,26 @@ def worker(args: argparse.Namespace) -> None:
     table = torch.tensor([wall[n] for n in order], dtype=torch.float64)
     cpu_t = torch.tensor([cpu[n] for n in order], dtype=torch.float64)
     peaks = torch.tensor([_peak_bytes(n, steps[n], *built[n]) or -1 for n in order], dtype=torch.float64)
+    # every runner took the same steps on the same batches: its parameters must be torch DDP's
+    ref = _param_vector(built["torch-ddp"][0]) if "torch-ddp" in built else None
+    diffs = {}
+    for n in order:
+        got = _param_vector(built[n][0])
+        diffs[n] = (
+            float((got - ref).norm() / ref.norm()) if ref is not None and got.shape == ref.shape else None
+        )
     if ctx.world_size > 1:
         dist.all_reduce(table, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank does
         dist.all_reduce(cpu_t)  # CPU seconds summed over ranks
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     if ctx.rank == 0:
         rows = {
-            n: {"step_s": table[i].tolist(), "cpu_s": cpu_t[i].tolist(), "peak_bytes": int(peaks[i].item())}
+            n: {
+                "step_s": table[i].tolist(),
+                "cpu_s": cpu_t[i].tolist(),
+                "peak_bytes": int(peaks[i].item()),
+                "param_rel_diff_vs_torch_ddp": diffs[n],
+            }
             for i, n in enumerate(order)
         }
         Path(args.out).write_text(json.dumps({"world_size": ctx.world_size, "rows": rows, "errors": errors}))
@@ -304,9 +341,18 @@ def _launch(args: argparse.Namespace, world: int, runners: str, rounds: int) -> 
 
 
 def summarize(result: dict[str, Any], batch: int, base: str = "torch-ddp") -> list[dict[str, Any]]:
+    """One row per runner; a runner whose final parameters are not torch DDP's (beyond ``PARAM_TOL``) moves
+    to ``result["errors"]`` instead: its time would not be the time of the same work."""
     rows, world = result["rows"], result["world_size"]
     out = []
-    for name, r in rows.items():
+    for name, r in list(rows.items()):
+        diff = r.get("param_rel_diff_vs_torch_ddp")
+        if base in rows and (diff is None or diff > PARAM_TOL):
+            result["errors"][name] = (
+                f"its final parameters differ from torch DDP's by {diff} (relative L2, tolerance {PARAM_TOL}): "
+                "it did not compute the same steps"
+            )
+            continue
         ratios = (
             [b / t for b, t in zip(rows[base]["step_s"], r["step_s"], strict=True)] if base in rows else []
         )
@@ -317,6 +363,7 @@ def summarize(result: dict[str, Any], batch: int, base: str = "torch-ddp") -> li
             "speedup_vs_torch_ddp": statistics.median(ratios) if ratios else None,
             "samples_per_s": world * batch / step, "cpu_ms_per_step": statistics.median(r["cpu_s"]) * 1e3,
             "peak_MB": r["peak_bytes"] / 1e6 if r["peak_bytes"] >= 0 else None, "rounds": len(r["step_s"]),
+            "param_rel_diff_vs_torch_ddp": diff,
         })  # fmt: skip
     return out
 

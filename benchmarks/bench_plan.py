@@ -82,6 +82,11 @@ STRATEGIES = {  # name -> extra flags shared by train and plan (n = ranks)
     ],
 }
 TRANSFORMER_ONLY = {"tp", "pp", "fsdp+tp", "fsdp+pp"}
+# The bounds BENCHMARKS.md states, checked on every row (predicted / measured): the model states within 1.1%
+# (AdamW's step counters and dim-0 padding are not planned, so the plan is never above); the peak at most 10%
+# under MemTracker's on a CPU and never over it, and within -10% ... +5% of MemTracker's on a GPU.
+STATE_BOUNDS = (0.989, 1.0)
+PEAK_BOUNDS = {"cpu": (0.90, 1.0), "cuda": (0.90, 1.05)}
 FOUR_RANKS_ONLY = {"fsdp+tp", "fsdp+pp"}
 
 
@@ -205,8 +210,9 @@ def main() -> int:
                     row["cuda_peak_meas"] = cuda_peak
                     row["cuda_reserved_meas"] = s.get("cuda_peak_reserved_bytes_per_rank")
                     row["cuda_peak_ratio"] = row["peak_pred"] / cuda_peak if cuda_peak else None
-                    row["state_ok"] = abs(row["state_ratio"] - 1) <= 0.05
-                    row["peak_ok"] = row["peak_ratio"] is not None and abs(row["peak_ratio"] - 1) <= 0.15
+                    lo, hi = PEAK_BOUNDS[args.device]
+                    row["state_ok"] = STATE_BOUNDS[0] <= row["state_ratio"] <= STATE_BOUNDS[1]
+                    row["peak_ok"] = row["peak_ratio"] is not None and lo <= row["peak_ratio"] <= hi
                 else:
                     row["error"] = "train: " + meas["error"]
                 rows.append(row)
@@ -220,7 +226,7 @@ def main() -> int:
     print()
     hdr = (
         f"{'model':12s} {'strategy':8s} {'n':>2s} {'params':>8s} {'state pred':>11s} {'state meas':>11s}"
-        f" {'ratio':>6s} {'peak pred':>10s} {'peak meas':>10s} {'ratio':>6s}  targets (±5% / ±15%)"
+        f" {'ratio':>6s} {'peak pred':>10s} {'peak meas':>10s} {'ratio':>6s}  targets (state / peak)"
     )
     print(hdr)
     for r in rows:

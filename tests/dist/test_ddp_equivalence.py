@@ -55,6 +55,7 @@ def _run_rank_params(cfg_json: str, run_dir: str) -> tuple[list[float], dict[str
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
+@pytest.mark.equivalence("ddp")
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_matches_single_process_reference(dist_run, tmp_path: Path, world: int) -> None:
     cfg = _cfg("ddp")
@@ -73,10 +74,16 @@ def test_ddp_matches_single_process_reference(dist_run, tmp_path: Path, world: i
 
 @pytest.mark.dist
 @pytest.mark.timeout(60)
+@pytest.mark.equivalence("single")
 def test_single_strategy_matches_reference(tmp_path: Path) -> None:
     cfg = _cfg("single")
-    ref_losses, _ = _reference(cfg)
+    ref_losses, ref_params = _reference(cfg)
     ctx = init(device="cpu", seed=cfg.train.seed)
     result = train(cfg, ctx, tmp_path)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert result.world_size == 1 and result.param_sha256 and len(result.param_sha256) == 64
+    # the same path once more, keeping the model, to compare its parameters too
+    losses, params = _run_rank_params(cfg.to_json(), str(tmp_path / "again"))
+    assert losses == result.losses and params is not None and list(params) == list(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=f"parameter {name}")

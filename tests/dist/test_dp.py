@@ -36,6 +36,7 @@ def _cases(world_size: int) -> dict[str, list[str]]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
+@pytest.mark.equivalence(*sorted({name.split("/")[0] for name in _cases(2)}))
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_strategies_match_single_process(dist_run: Any, tmp_path: Path, world_size: int) -> None:
     cases = _cases(world_size)

@@ -6,7 +6,13 @@ same model from the same seed, goes through ``paratrain.setup`` and ``Strategy.f
 strategy owns the step: a pipeline schedule runs forward and backward itself), takes its data-parallel
 rank's rows of each global batch, and must match the reference's losses for every step and its final
 parameters (gathered to full tensors) within rel 1e-4 in fp32. All cases of one world size share one
-process group (one spawn).
+process group (one spawn); at 4 ranks the same group also saves an ``fsdp+tp`` checkpoint and resumes it
+under ``zero3``, and this process resumes that under ``single``.
+
+The default tier (CI) runs 3 and 4 ranks: every model-parallel strategy and every pipeline schedule, and a
+checkpoint resharded across layouts; ``slow`` adds 2 ranks (more tp options) and longer resharding chains.
+Each test declares what it holds to the reference with ``@pytest.mark.equivalence`` (checked against the
+strategy registry by tests/test_strategy_coverage.py).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from torch import nn
 
 from paratrain.models.llama import Llama, LlamaConfig
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 CFG = LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16)
-SEQ, BATCH, STEPS, LR = 16, 8, 4, 1e-2
+SEQ, BATCH, STEPS, LR = 16, 8, 3, 1e-2
 TOL = 1e-4
 
 
@@ -133,15 +139,37 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int, float | None]]] = {
 }
 
 
-def _all_cases(world: int) -> list[dict[str, Any]]:
-    return [_train(name, options, accum, clip) for name, options, accum, clip in CASES[world]]
+def _all_cases(world: int, root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every case of ``world`` in this process group; at 4 ranks also the first two resharding segments:
+    ``fsdp+tp`` (2 x 2) trains 2 steps and saves, ``zero3`` over the same 4 ranks loads it, trains 2 more
+    and saves (the test's process then resumes under ``single``)."""
+    results = [_train(name, options, accum, clip) for name, options, accum, clip in CASES[world]]
+    if world != 4:
+        return results, []
+    a = _segment("fsdp+tp", {"tp": 2}, range(0, 2), root, None, True)
+    b = _segment("zero3", {}, range(2, 4), root, a["path"], True)
+    return results, [a, b]
 
 
-@pytest.mark.slow
+def _strategies(world: int) -> list[str]:
+    return sorted({name for name, *_ in CASES[world]})
+
+
+def _world(world: int, *marks: Any) -> Any:
+    return pytest.param(world, marks=[pytest.mark.equivalence(*_strategies(world)), *marks])
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_model_parallel_matches_single_process(dist_run: Any, world: int) -> None:
-    results = dist_run(_all_cases, world, world, timeout_s=290)[0]
+@pytest.mark.parametrize("world", [_world(2, pytest.mark.slow), _world(3), _world(4)])
+def test_model_parallel_matches_single_process(dist_run: Any, world: int, tmp_path: Any) -> None:
+    results, segments = dist_run(_all_cases, world, world, str(tmp_path / "ckpt"), timeout_s=290)[0]
+    if segments:  # fsdp+tp 2 x 2 -> zero3 x 4 -> single: the uninterrupted run's losses and parameters
+        c = _segment("single", {}, range(4, 6), str(tmp_path / "ckpt"), segments[1]["path"], False)
+        ref = _reference_long(6)
+        got = segments[0]["losses"] + segments[1]["losses"] + c["losses"]
+        assert got == pytest.approx(ref["losses"], rel=TOL), "fsdp+tp -> zero3 -> single"
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(c["params"][name], want, rtol=TOL, atol=2e-5, msg=f"resharded: {name}")
     refs: dict[float | None, dict[str, Any]] = {}
     psi = sum(p.numel() for p in _model().parameters())
     for (name, options, accum, clip), res in zip(CASES[world], results, strict=True):
@@ -328,6 +356,7 @@ def test_pipeline_checkpoint_holds_each_stage_under_original_names(dist_run: Any
         torch.testing.assert_close(c["params"][name], want, rtol=TOL, atol=2e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_single_checkpoint_resumes_as_a_pipeline(dist_run: Any, tmp_path: Any) -> None:
     root = str(tmp_path / "ckpt")

@@ -194,13 +194,19 @@ def zero_formula(name: str, psi: int, n: int) -> float:
 
 @pytest.mark.dist
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize(
+    "world", [pytest.param(w, marks=pytest.mark.equivalence(*sorted({c[0] for c in CASES[w]}))) for w in (1, 2, 4)]
+)
 def test_sharded_strategies_match_single_process(dist_run: Any, world: int) -> None:
     results, memory = dist_run(_all_cases, world, world, timeout_s=170)[0]
-    # measured bytes follow the ZeRO formulas within 5% + a small constant (dim-0 padding, Adam step scalars)
+    # measured bytes are the ZeRO formulas plus exactly what they leave out: AdamW's 4-byte `step` per
+    # parameter tensor (8 tensors), and at N = 4 the dim-0 padding of the 10-row head (10 rows in chunks of 3:
+    # under one row of weight and bias, 257 values, at 16 bytes each, on the largest rank)
     for name, (held, psi) in memory.items():
         expected = zero_formula(name, psi, world)
-        assert abs(held - expected) <= 0.05 * expected + 16 * 1024, (name, world, held, expected)
+        excess = held - expected
+        padding = 16 * (256 + 1) if world == 4 and name != "ddp" else 0
+        assert 4 * 8 <= excess <= 4 * 8 + padding, (name, world, held, expected)
     if world > 1:
         assert memory["zero3"][0] < memory["zero2"][0] < memory["zero1"][0] < memory["ddp"][0]
     refs: dict[float | None, tuple[list[float], dict[str, torch.Tensor]]] = {}

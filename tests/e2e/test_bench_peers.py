@@ -33,6 +33,8 @@ def test_one_round_of_the_paratrain_runners_beside_torch_ddp(tmp_path: Path) -> 
     rows = {r["runner"]: r for r in result["peers"]}
     assert set(rows) == set(RUNNERS)
     assert all(r["step_ms"] > 0 and r["peak_MB"] for r in rows.values())
+    # a time is reported only for a runner that computed what torch DDP computed (the same steps, batches)
+    assert all(r["param_rel_diff_vs_torch_ddp"] <= 1e-4 for r in rows.values()), rows
     # Parameters, momentum and gradients are 3 x 25.3 MB on every runner. dp+shm's gradients are its
     # buckets in the segment: counting the whole mapped segment (slots and both arenas) added ~76 MB.
     psi_mb = 4 * result["workload"]["params"] / 1e6

@@ -1,4 +1,7 @@
-"""``paratrain generate`` on a checkpoint a real ``paratrain train`` run wrote (sharded, 2 ranks)."""
+"""``paratrain generate`` on a checkpoint a real ``paratrain train`` run wrote (sharded, 2 ranks).
+
+The default tier runs one short sharded training and samples from it; ``slow`` adds the longer run with every
+refusal (no checkpoint, not a language model, a broken step, a NaN temperature) and a wide vocabulary."""
 
 from __future__ import annotations
 
@@ -9,9 +12,23 @@ import pytest
 
 from tests.conftest import run_cli
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e]
 
 
+@pytest.mark.timeout(240)
+def test_generate_from_a_two_rank_zero3_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "lm"
+    run_cli("train", "--model", "llama-debug", "--data", "python-stdlib", "--set", "data.max_bytes=50000",
+            "--seq-len", "32", "--steps", "2", "--batch-size", "4", "--strategy", "zero3", "--nproc-per-node", "2",
+            "--run-dir", str(run), cwd=tmp_path, timeout=200)  # fmt: skip
+    args = ["generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--json"]
+    a = json.loads(run_cli(*args, cwd=tmp_path).stdout.strip().splitlines()[-1])
+    b = json.loads(run_cli(*args, cwd=tmp_path).stdout.strip().splitlines()[-1])
+    assert a["checkpoint"].endswith("step_00000002") and a["step"] == 2 and a["model"] == "llama-debug"
+    assert a["new_tokens"] == 8 and a["text"] == b["text"]  # same seed, same sample
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_samples_from_a_sharded_checkpoint_deterministically(tmp_path: Path) -> None:
     run = tmp_path / "lm"
@@ -58,6 +75,7 @@ def test_generate_samples_from_a_sharded_checkpoint_deterministically(tmp_path: 
         assert json.loads(got.stdout.splitlines()[-1])["new_tokens"] == 40
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_generate_refuses_an_image_model_by_what_the_checkpoint_holds(tmp_path: Path) -> None:
     run_cli("train", "--model", "cnn", "--steps", "2", "--strategy", "single", "--nproc-per-node", "1",

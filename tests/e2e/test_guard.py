@@ -238,7 +238,6 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_plain_shuffled_dataloader_warns_no_distributed_sampler(tmp_path: Path) -> None:
     proc, _, out = guard(tmp_path, NO_SAMPLER, 2)
@@ -272,7 +271,6 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_missing_set_epoch_and_unsynced_batchnorm_warn_once(tmp_path: Path) -> None:
     # 24 steps, a desync check every 4: BatchNorm's per-rank running statistics are not a desync

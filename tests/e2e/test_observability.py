@@ -1,5 +1,8 @@
 """Seeing a run, as a user does: ``--profile`` traces and table, TensorBoard, metrics.jsonl, ``paratrain
-plot``, ``bench scaling`` and the per-rank logs of a failed run (docs/observability.md)."""
+plot``, ``bench scaling`` and the per-rank logs of a failed run (docs/observability.md).
+
+The default tier runs one profiled ``ddp`` run on 2 ranks and checks everything it writes; ``slow`` repeats
+that with ``single`` next to it, ``paratrain plot``, ``bench scaling`` and a failed run."""
 
 from __future__ import annotations
 
@@ -19,7 +22,32 @@ COMMON = ("--model", "mlp", "--steps", "6", "--batch-size", "32", "--profile", "
           "--set", "train.log_every=2", "--set", "checkpoint.save_at_end=false")  # fmt: skip
 
 
-pytestmark = pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_one_profiled_ddp_run_writes_traces_metrics_and_per_rank_logs(tmp_path: Path) -> None:
+    extra = ["--tensorboard"] if HAVE_TENSORBOARD else []
+    proc = run_cli("train", "--model", "mlp", "--steps", "4", "--batch-size", "32", "--profile", "2:3",
+                   "--set", "train.log_every=2", "--set", "checkpoint.save_at_end=false", "--strategy", "ddp",
+                   "--nproc-per-node", "2", "--run-dir", "ddp", *extra, "--json", cwd=tmp_path, timeout=200)  # fmt: skip
+    run, summary = tmp_path / "ddp", last_json(proc.stdout)
+    assert "paratrain profile: steps 2-3" in proc.stderr and summary["world_size"] == 2
+    for r in range(2):
+        trace = json.loads((run / "profile" / f"rank{r}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"ProfilerStep#2", "ProfilerStep#3", "paratrain.forward_backward"} <= names
+    prof = json.loads((run / "profile" / "summary.json").read_text())
+    assert prof["profiled_steps"] == [2, 3] and [r["rank"] for r in prof["ranks"]] == [0, 1]
+    for r in prof["ranks"]:
+        assert r["steps"] == 2 and r["compute_ms"] > 0 and r["comm_ms"] > 0
+        assert r["comm_exposed_ms"] + r["comm_overlapped_ms"] == pytest.approx(r["comm_ms"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    assert [r["loss"] for r in logged] == pytest.approx([summary["losses"][i] for i in (1, 3)])
+    assert records[-1]["final"] and records[-1]["eval_accuracy"] == summary["eval_accuracy"]
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    if HAVE_TENSORBOARD:
+        assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1, "rank 0 only"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "single": single, "ddp": ddp}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(540)
 def test_profile_writes_a_trace_per_rank_and_a_summary(runs: dict[str, Any]) -> None:
@@ -61,6 +90,7 @@ def test_profile_writes_a_trace_per_rank_and_a_summary(runs: dict[str, Any]) -> 
                 assert r["comm_ms"] > 0  # DDP's gradient all-reduce and the stop agreement
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(540)
 def test_metrics_hold_one_record_per_logging_step(runs: dict[str, Any]) -> None:
@@ -74,6 +104,7 @@ def test_metrics_hold_one_record_per_logging_step(runs: dict[str, Any]) -> None:
     assert records[-1]["final"] and records[-1]["eval_accuracy"] == summary["eval_accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(540)
 def test_tensorboard_events_read_back(runs: dict[str, Any]) -> None:
@@ -97,6 +128,7 @@ def test_tensorboard_events_read_back(runs: dict[str, Any]) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(540)
 def test_plot_draws_two_runs(runs: dict[str, Any]) -> None:
@@ -111,6 +143,7 @@ def test_plot_draws_two_runs(runs: dict[str, Any]) -> None:
     assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(540)
 def test_every_rank_writes_its_log(runs: dict[str, Any]) -> None:
@@ -120,6 +153,7 @@ def test_every_rank_writes_its_log(runs: dict[str, Any]) -> None:
     assert "sync-batchnorm" in runs["ddp"].stderr  # rank 0's on the console
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_a_failed_run_keeps_every_rank_log(tmp_path: Path) -> None:
@@ -136,6 +170,7 @@ def test_a_failed_run_keeps_every_rank_log(tmp_path: Path) -> None:
     assert "PeerLostError" in rank0 and "rank 1" in rank0 and "Traceback" in rank0
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bench_scaling_json_has_one_row_per_world_size(tmp_path: Path) -> None:

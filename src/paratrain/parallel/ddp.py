@@ -70,13 +70,13 @@ class _DDP(DDP):
 
     def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
         # DDP rejects nn.SyncBatchNorm on CPU because torch's kernels are GPU-only; paratrain's subclass
-        # has a CPU path (train/features.py), so only a plain nn.SyncBatchNorm is refused there.
+        # has a CPU path (parallel/layers.py), so only a plain nn.SyncBatchNorm is refused there.
         if self.device_type == "cpu":
             for layer in module.modules():
                 if isinstance(layer, nn.SyncBatchNorm) and not isinstance(layer, SyncBatchNorm):
                     raise ValueError(
                         "torch.nn.SyncBatchNorm only runs on GPU; on CPU convert with "
-                        "paratrain.train.features.convert_sync_batchnorm (--sync-batchnorm does)."
+                        "paratrain.parallel.layers.convert_sync_batchnorm (--sync-batchnorm does)."
                     )
 
     def _unused(self) -> list[str]:
