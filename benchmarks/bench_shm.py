@@ -62,8 +62,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm._shm_segment import DIRECT_BLOCK_BYTES
-from paratrain.comm._shm_tune import CALLS as TUNING_CALLS
+from paratrain.comm.shm.segment import DIRECT_BLOCK_BYTES
+from paratrain.comm.shm.tune import CALLS as TUNING_CALLS
 from paratrain.launch.cpu_bind import allowed_cores, core_blocks
 from paratrain.spec.cost import busbw
 from paratrain.testing import run_distributed

@@ -28,7 +28,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import _shm_segment, _shm_sys, shm
+from paratrain.comm import shm
+from paratrain.comm.shm import communicator as shm_communicator
+from paratrain.comm.shm import segment as _shm_segment
+from paratrain.comm.shm import system as _shm_sys
 from paratrain.comm._common import chunk_bounds
 from paratrain.testing import call_until_the_last_rank_dies, run_distributed, run_processes
 
@@ -285,7 +288,7 @@ def test_hierarchical_all_reduce_two_simulated_nodes() -> None:
 
 def check_arena() -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
-    shm.IN_PLACE_BLOCK_BYTES = 512  # a chunk of the first buckets spans several blocks of the in-place reduction
+    shm_communicator.IN_PLACE_BLOCK_BYTES = 512  # a chunk of the first buckets spans several blocks of the in-place reduction
     c = shm.ShmCommunicator(arena_bytes=64 << 10, capacity_bytes=4096)
     shapes = [((1000,), torch.float32), ((3, 7), torch.float64), ((1,), torch.int64), ((33,), torch.bfloat16),
               ((777,), torch.int32), ((301,), torch.bfloat16), ((257,), torch.bool)]  # fmt: skip
@@ -333,7 +336,7 @@ def test_zero_copy_arena(world: int) -> None:
 def ddp_hook_vs_plain(background: bool) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
+    from paratrain.comm.shm.hook import ShmHookState, shm_allreduce_hook
 
     rank = dist.get_rank()
 

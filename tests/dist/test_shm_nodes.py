@@ -1,4 +1,4 @@
-"""``--comm-algorithm shm`` on several nodes: :func:`paratrain.comm.shm_hier.node_groups` finds the nodes
+"""``--comm-algorithm shm`` on several nodes: :func:`paratrain.comm.shm.hier.node_groups` finds the nodes
 (host and, under torchrun or ``paratrain launch``, the agent's ``GROUP_RANK``), ddp's hook and dp's
 buckets then run the hierarchical all-reduce, and zero1/zero2 refuse. Four ranks on this host act as two
 nodes of two by taking the ``GROUP_RANK`` a two-agent launch would give them (the real two-agent launch is
@@ -28,7 +28,7 @@ LAYOUTS = {
 
 
 def _layout(name: str) -> Any:
-    from paratrain.comm.shm_hier import node_groups
+    from paratrain.comm.shm.hier import node_groups
 
     os.environ["GROUP_RANK"] = LAYOUTS[name](dist.get_rank())
     try:

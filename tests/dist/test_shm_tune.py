@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import shm
-from paratrain.comm._shm_tune import CALLS, TRIALS
+from paratrain.comm.shm.tune import CALLS, TRIALS
 from paratrain.testing import run_distributed
 from tests.dist.test_shm import _direct_possible
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.comm._shm_ops import divide_
+from paratrain.comm.shm.ops import divide_
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paratrain.comm import _shm_tune
-from paratrain.comm._shm_tune import CALLS, TRIALS, PathTuner
+from paratrain.comm.shm import tune as _shm_tune
+from paratrain.comm.shm.tune import CALLS, TRIALS, PathTuner
 
 MIN = 256 << 10
 

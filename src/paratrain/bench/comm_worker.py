@@ -10,7 +10,7 @@ under the torch elastic agent. Each rank:
    hit all algorithms alike and the ratios between them stay fair, in an order that rotates by one every
    iteration, so each algorithm runs in every position equally often (in a fixed order one algorithm
    always runs right after another's call, and its position cannot be told apart from its speed);
-   ``shm`` first makes the calls in which it measures its own path for the size (``comm/_shm_tune.py``),
+   ``shm`` first makes the calls in which it measures its own path for the size (``comm/shm/tune.py``),
    so that the timed ones take the path it settled on;
 3. times each call alone: barrier, start, call, wait (CUDA events on the current stream on a GPU, a
    host clock on CPU), and takes, per iteration, the slowest rank's time (a collective is done when
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.comm._common import wait_all
-from paratrain.comm._shm_tune import CALLS as SHM_TUNING_CALLS
+from paratrain.comm.shm.tune import CALLS as SHM_TUNING_CALLS
 from paratrain.runtime import Context, init, record_errors, shutdown
 from paratrain.spec.cost import LinkModel, algbw, bus_factor, predict
 
@@ -156,7 +156,7 @@ def make_call(collective: str, algorithm: str, x: torch.Tensor, op: str) -> Call
 
 
 def shm_path_of(collective: str, x: torch.Tensor, n: int) -> str:
-    """The path shm takes for this collective and input (``comm/_shm_tune.py``): "direct" or "slots"
+    """The path shm takes for this collective and input (``comm/shm/tune.py``): "direct" or "slots"
     (reduce has only the slots)."""
     from paratrain.comm import shm
 

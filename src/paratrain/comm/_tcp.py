@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm._common import Peers
-from paratrain.comm._shm_sys import _group_timeout, _host_info
+from paratrain.comm.shm.system import _group_timeout, _host_info
 
 ENV = "PARATRAIN_RING_LINKS"
 """``auto`` (default): the ring's own links where every rank is on one host; ``c10d``: never."""

@@ -2,7 +2,7 @@
 or the backend.
 
 Strategies (``ddp``, ``dp``, ``zero1``/``zero2``) ask this module for what they need and never import a
-transport (:mod:`.shm`, :mod:`.shm_hier`, :mod:`.shm_hook`, the ring's :mod:`._tcp` links):
+transport (the package :mod:`.shm`, the ring's :mod:`._tcp` links):
 
 - :func:`ddp_comm_hook`: the DDP comm hook and its state for ``--comm-algorithm shm`` (one segment per group
   on one host; shared memory inside each host and the backend between hosts otherwise);
@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator
-from paratrain.comm.shm_hier import HierarchicalAllReduce, nodes_of
-from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
+from paratrain.comm.shm.communicator import DEFAULT_CAPACITY_BYTES, ShmCommunicator
+from paratrain.comm.shm.hier import HierarchicalAllReduce, nodes_of
+from paratrain.comm.shm.hook import ShmHookState, shm_allreduce_hook
 from paratrain.errors import ConfigError
 
 __all__ = ["SHM_ARENA_SHARE", "BucketAllReduce", "ddp_comm_hook", "sharded_communicator"]

@@ -65,7 +65,7 @@ def read_failures(err: Any) -> list[RankFailure]:
 
 
 def _noticed_a_dead_peer(f: RankFailure) -> bool:
-    # the shared-memory transport's liveness check (comm/_shm_segment.py, _check_peers) names the dead peer in
+    # the shared-memory transport's liveness check (comm/shm/segment.py, _check_peers) names the dead peer in
     # its own words, maybe wrapped by torch DDP's comm-hook future ("Unable to cast ... to Tensor")
     return (
         f.message.startswith("PeerLostError")

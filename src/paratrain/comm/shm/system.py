@@ -1,6 +1,6 @@
 """The machine under :mod:`paratrain.comm.shm`: memory fences, futex, process liveness, segment names.
 
-Nothing here knows about collectives. :mod:`paratrain.comm._shm_segment` maps a segment and waits on its
+Nothing here knows about collectives. :mod:`paratrain.comm.shm.segment` maps a segment and waits on its
 flags with these; :mod:`paratrain.comm.shm`'s docstring describes the protocol they serve.
 """
 

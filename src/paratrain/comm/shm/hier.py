@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm._common import chunk_bounds
-from paratrain.comm._shm_ops import check_op, native_op, premultiply, split_premul
-from paratrain.comm._shm_sys import _host_info
+from paratrain.comm.shm.api import get_communicator
+from paratrain.comm.shm.communicator import ShmCommunicator
+from paratrain.comm.shm.ops import check_op, native_op, premultiply, split_premul
+from paratrain.comm.shm.system import _host_info
 
 
 def node_key() -> str:
@@ -77,7 +79,7 @@ def _groups(nodes: list[list[int]]) -> tuple[Any, Any]:
 
 
 class HierarchicalAllReduce:
-    """An all-reduce over several nodes with :class:`~paratrain.comm.shm.ShmCommunicator`'s interface
+    """An all-reduce over several nodes with :class:`~paratrain.comm.shm.communicator.ShmCommunicator`'s interface
     (``all_reduce``, ``size``, ``close``): shm inside the node through a communicator of its own over
     ``intra_group`` (created here: collective over the node), the native backend over ``inter_group``."""
 
@@ -89,7 +91,6 @@ class HierarchicalAllReduce:
         return None if groups is None else cls(*groups, **shm_kwargs)
 
     def __init__(self, intra_group: Any, inter_group: Any, **shm_kwargs: Any) -> None:
-        from paratrain.comm.shm import ShmCommunicator  # shm re-exports this module: import at call time
 
         self.intra = ShmCommunicator(intra_group, **shm_kwargs)
         self.inter = inter_group
@@ -143,7 +144,6 @@ def hierarchical_all_reduce(
     if factor is not None:
         premultiply(tensor, factor, "shm hierarchical_all_reduce", out=tensor)
     check_op("shm hierarchical_all_reduce", op, tensor.dtype)
-    from paratrain.comm.shm import ShmCommunicator, get_communicator  # shm re-exports this module
 
     intra = intra_group if isinstance(intra_group, ShmCommunicator) else get_communicator(intra_group)
     inter_size = dist.get_world_size(inter_group) if dist.is_initialized() else 1

@@ -1,6 +1,6 @@
 """A DDP communication hook that all-reduces torch DDP's gradient buckets through shared memory.
 
-    from paratrain.comm.shm_hook import ShmHookState, shm_allreduce_hook
+    from paratrain.comm.shm.hook import ShmHookState, shm_allreduce_hook
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(ShmHookState.create(), shm_allreduce_hook)
 
@@ -34,8 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.shm import DEFAULT_CAPACITY_BYTES, ShmCommunicator, get_communicator
-from paratrain.comm.shm_hier import HierarchicalAllReduce
+from paratrain.comm.shm.api import get_communicator
+from paratrain.comm.shm.communicator import DEFAULT_CAPACITY_BYTES, ShmCommunicator
+from paratrain.comm.shm.hier import HierarchicalAllReduce
 
 __all__ = ["ShmHookState", "shm_allreduce_hook"]
 
@@ -46,7 +47,7 @@ class ShmHookState:
 
     comm: ShmCommunicator | HierarchicalAllReduce
     """Communicator over the DDP process group: one host's segment, or shm inside each node and the
-    native backend between nodes (:class:`~paratrain.comm.shm_hier.HierarchicalAllReduce`)."""
+    native backend between nodes (:class:`~paratrain.comm.shm.hier.HierarchicalAllReduce`)."""
     background: bool = True
     """Run the all-reduces on a worker thread (overlapping backward) instead of inside the hook."""
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)

@@ -1,142 +1,16 @@
-"""Collectives among the ranks of one host through one shared-memory segment per group (algorithm ``shm``).
-
-    from paratrain.comm import shm
-    shm.all_reduce(grad, op="mean")                 # in place, comm's conventions (group=None: world)
-    part = shm.reduce_scatter(t, op="sum")          # torch.tensor_split(result, n)[rank] along dim 0
-    full = shm.all_gather(shard)                    # every rank's tensor, dim 0, group-rank order
-    shm.broadcast(param, src=0)                     # in place; src is a global rank, as in torch
-
-    c = shm.ShmCommunicator(group, capacity_bytes=8 << 20, arena_bytes=64 << 20)
-    c.reduce_scatter(out, inp, op="sum")            # torch's reduce_scatter_tensor semantics
-    c.all_gather(out, inp)                          # torch's all_gather_into_tensor semantics
-    bucket = c.allocate((numel,), torch.float32)    # lives in this rank's arena inside the segment
-    ...; c.all_reduce_inplace_slot(bucket, "mean")  # zero copy: peers read the bucket where it lies
-
-**Files.** This module: the protocol (this docstring), the collectives, the module-level functions.
-:mod:`._shm_segment`: the segment (creation handshake, mapping, flags, waiting, zero-copy arena);
-:mod:`._shm_sys`: fences, futex, process liveness, names, stale sweep; :mod:`._shm_ops`: reduction ops
-and call signatures; :mod:`.shm_hier`: the hierarchical all-reduce over several hosts.
-
-Gloo moves every byte of a one-host collective through TCP loopback (copy into a socket, copy out, a
-kernel wake-up per message). Here the ranks map the same memory: a rank copies its input into its own
-*slot*, raises a flag, and the others read it where it lies. No byte goes through a socket and no
-Gloo round trip is on the fast path; synchronisation is sequence-numbered flags in the segment.
-
-**Segment.** The group's rank 0 creates ``/dev/shm/paratrain-shm-<pidns>-<pid>-<token>-<job>-<group>``
-(``O_EXCL``, mode 0600); its name travels through the c10d store of the process group (``store=`` to
-use another), together with each rank's host name and boot id: ranks on different hosts are refused with
-one ``ValueError`` on every rank. Every rank maps it and reports through the store; as soon as every
-rank has mapped it, the name is **unlinked**.
-
-**Cleanup strategy.** After the unlink the segment has no name: the kernel frees it when the last
-mapping goes, on every exit path, SIGKILL and OOM-kill included, without any cleanup code running. The
-only window in which a name exists is the creation handshake (well under a second). A creator killed
-inside that window leaves a name behind; the next creation on the host sweeps names whose creator
-(same pid namespace, pid in the name) no longer exists. :meth:`ShmCommunicator.close` (also called at
-exit for the cached communicators) unmaps this rank's view early.
-
-**Layout** (n ranks, C = ``capacity_bytes``, A = ``arena_bytes``; every region 64-byte aligned)::
-
-    header   4 KiB+   one 256-byte line per rank: flags ARRIVE, REDUCED, DONE (int64, written only by
-                      that rank, monotonically increasing), STATUS, pid, start time, two call signatures,
-                      the direct path's tensor address; rank 0's also the paths it chose (_shm_tune)
-    slots    2·n·C    two buffers (b = seq mod 2) of one C-byte slot per rank: inputs
-    results  2·C      two buffers of reduced pieces (all_reduce / reduce): rank c writes chunk c
-    arenas   n·A      one per rank, for :meth:`ShmCommunicator.allocate` (zero-copy buckets)
-
-**Protocol.** Each rank counts *steps* (``seq``, one per piece of a collective, the same sequence on
-every rank because collectives are called in the same order). A tensor larger than a slot is processed
-in pieces that fit. For step k (buffer b = k mod 2) of an all-reduce, rank r:
-
-1. copies its piece into ``slot[b][r]``, then sets ``ARRIVE[r] = k`` (first piece: the call signature
-   is written before the flag);
-2. waits until ``ARRIVE[j] >= k`` for every j (first piece: compares every rank's signature, so a
-   mismatched call raises the same ``ValueError`` everywhere instead of corrupting memory);
-3. reduces its 1/n chunk of the piece from every rank's slot with one torch op over a strided
-   (n, chunk) view of the slots (``torch.sum(dim=0)``, ``amax``...) into ``result[b]``, then sets
-   ``REDUCED[r] = k``;
-4. waits until ``REDUCED[j] >= k`` for every j, and copies ``result[b]`` into its tensor.
-
-Small all-reduces (``SMALL_BYTES``) skip 3–4: after step 2 every rank reduces the whole piece itself,
-one barrier instead of two. reduce_scatter is 1–2 and then reduces its own chunk straight into the
-output; all_gather and broadcast are 1–2 and then copy out of the slots. Every step starts with the
-ARRIVE barrier, and that is what makes the two buffers safe to reuse without another flag: rank r
-writes ``slot[b][r]`` (and ``result[b]``) again at step k+2 only after it has seen ``ARRIVE[j] >= k+1``
-for every j, and rank j raises ARRIVE to k+1 only after it has finished every read of step k. The same
-argument lets a fast rank copy in piece k+1 while slow ranks still read piece k (pipelining across
-ranks). The zero-copy arena is the exception (the caller writes it at will after the call), so
-:meth:`all_reduce_inplace_slot` ends with a third barrier on ``DONE``.
-
-**Direct path** (cross-memory attach). Where the kernel allows it, tensors above 256 KiB may skip the
-slots; which path a call takes is measured per collective and power-of-two size class on the first calls
-of each (:mod:`._shm_tune`: the slots' ``memcpy`` wins while the tensors are in cache on some hosts, the
-direct path's fewer bytes on others), or fixed by ``direct_min_bytes``. On the direct path each rank
-publishes its tensor's address in its header line with ARRIVE, and the others copy straight out of its
-address space with ``process_vm_readv(2)`` (one kernel copy, as MPI implementations do on one host).
-all_reduce: rank r reads block by block every peer's chunk r into a private cache-sized buffer, combines
-it with its own chunk in place, and writes the reduced block back into every peer's chunk r with
-``process_vm_writev(2)`` while it is in cache; then a ``DONE`` barrier (after it no peer reads or writes
-this rank's memory). Chunk r of every rank's tensor is touched by rank r alone, so no other barrier is
-needed. Per rank that is
-(n−1)/n·S read in, S/n reduced, (n−1)/n·S written out, against the slots' copy in (S), reduction and copy
-out (S). reduce_scatter and all_gather read the peers' inputs the same way; broadcast reads the root's
-tensor. Whether the direct path is available at all is decided once, collectively, when the
-communicator is created: every rank must want it (``direct=True``, ``PARATRAIN_SHM_DIRECT`` not ``0``),
-all must share one pid namespace, and each must
-read (and write back) a probe word of the next rank successfully. Same-user processes may read each other
-unless Yama's ``ptrace_scope`` forbids it; at scope 1 every rank allows its peers with
-``prctl(PR_SET_PTRACER_ANY)`` (scope 2 and 3 refuse, and the slots are used). A peer that dies mid-call
-makes the read fail with ``ESRCH``, which names it.
-
-**Waiting.** A rank polls the flags it waits for: a few µs of pure spinning, then ``sched_yield`` for
-up to ``YIELD_S``, then it blocks in ``futex(FUTEX_WAIT)`` on the first late rank's flag word, and every
-publisher calls ``FUTEX_WAKE`` on its flag after raising it (the kernel rechecks the value under its own
-lock, so no wake-up is lost). Up to 4–5 ranks share 2 cores on the development machine: pure spinning
-would starve the very peers a rank waits for, and sleep-polling (the fallback without futex, sleeps
-doubling from ``NAP_MIN_S`` to ``NAP_MAX_S``) adds its nap to every late arrival. While blocked it
-checks, every ``CHECK_S``, whether a late rank has died (``/proc/<pid>``, guarded against pid reuse by
-the start time) or given up (its STATUS word), and raises naming it; after ``timeout_s``
-(default: the process group's timeout) it raises ``TimeoutError("shm all_reduce #k: rank 2 did not
-arrive within 30 s ...")``. A rank that raised marks itself aborted, so its peers fail fast too; the
-communicator is unusable afterwards (collective state is lost), like a process group after a timeout.
-
-**Memory ordering.** A writer stores the data (torch kernels), then the flag (an aligned numpy int64
-store, single-copy atomic on x86-64 and AArch64). A reader sees the flag, then loads the data. On x86-64
-(TSO: stores are not reordered with stores, loads not with loads, and the interpreter between the two
-C calls is a compiler barrier) that is enough. Other architectures get ``atomic_thread_fence(seq_cst)``
-from libatomic before every flag store and after every flag load (release/acquire); a communicator of
-two or more ranks refuses to start on a non-x86 machine without libatomic.
-
-**Ops and dtypes.** ``sum mean max min prod`` (comm's ops), ``avg`` (= mean), ``band bor bxor`` (integer
-and bool), or the equivalent ``dist.ReduceOp``, and ``PREMUL_SUM`` from
-``dist._make_nccl_premul_sum(factor)`` (floats: each rank's input times the factor, then the sum; all_reduce
-scales its tensor in place first, reduce and reduce_scatter scale a copy, as their inputs are kept).
-Reductions take any dtype torch can reduce on CPU with that op: sums of bf16/fp16 are accumulated in
-float32 and rounded once; integers wrap like Gloo's; bool follows Gloo (sum/max/bor = any, prod/min/band
-= all, bxor = parity). A dtype/op pair torch has no CPU kernel for (float8, most ops on uint16/32/64) is
-refused with a ``TypeError`` before the call starts (tried once on a tiny tensor, then cached), so the
-communicator stays usable; all_gather and broadcast only copy, and take any dtype. Any shape, 0-d,
-empty, non-contiguous (through a copy).
-Tensors on another device are staged through the segment by ``copy_``.
-
-**Hierarchical all-reduce** (:func:`hierarchical_all_reduce`): node-local shm reduce-scatter, a native
-all-reduce of the chunk among the ranks with the same local index, node-local shm all-gather.
-"""
+"""The shared-memory communicator: the slot protocol of every collective and the module-level functions
+(the protocol, the segment layout and the paths are described in :mod:`paratrain.comm.shm`)."""
 
 from __future__ import annotations
 
-import atexit
-import math
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from paratrain.comm._common import chunk_bounds
-from paratrain.comm._shm_ops import (
+from paratrain.comm.shm.direct import _DirectPath
+from paratrain.comm.shm.ops import (
     OPS,
     _bounds_hash,
     _esize,
@@ -151,8 +25,7 @@ from paratrain.comm._shm_ops import (
     premultiply,
     split_premul,
 )
-from paratrain.comm._shm_segment import (
-    _ADDR,
+from paratrain.comm.shm.segment import (
     _ALIGN,
     _ARRIVE,
     _DONE,
@@ -161,17 +34,10 @@ from paratrain.comm._shm_segment import (
     DIRECT_MIN_BYTES,
     IN_PLACE_BLOCK_BYTES,
     SMALL_BYTES,
-    _Segment,
     transport_storages,
 )
-from paratrain.comm._shm_sys import SEGMENT_PREFIX
-from paratrain.comm._shm_tune import FUNCTIONS as TUNED_FUNCTIONS
-from paratrain.comm.shm_hier import (
-    HierarchicalAllReduce,
-    hierarchical_all_reduce,
-    make_hierarchical_groups,
-    node_groups,
-)
+from paratrain.comm.shm.system import SEGMENT_PREFIX
+from paratrain.comm.shm.tune import FUNCTIONS as TUNED_FUNCTIONS
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
@@ -179,26 +45,15 @@ __all__ = [
     "OPS",
     "SEGMENT_PREFIX",
     "SMALL_BYTES",
-    "HierarchicalAllReduce",
     "ShmCommunicator",
-    "all_gather",
-    "all_reduce",
-    "broadcast",
     "check_op",
-    "close_all",
-    "get_communicator",
-    "hierarchical_all_reduce",
-    "make_hierarchical_groups",
     "native_op",
-    "node_groups",
     "normalize_op",
-    "reduce",
-    "reduce_scatter",
     "transport_storages",
 ]
 
 
-class ShmCommunicator(_Segment):
+class ShmCommunicator(_DirectPath):
     """Shared-memory collectives among the ranks of ``group`` (all on one host). Creating one is
     collective: every rank of the group must construct it, in the same order relative to other
     communicators of that group.
@@ -220,7 +75,7 @@ class ShmCommunicator(_Segment):
         small_bytes: all_reduce pieces up to this size take the one-barrier path (0: never).
         futex: block waiters in ``futex(2)`` (Linux), woken by the publisher; ``False``: sleep-polling.
         tune: choose between the slots and the direct path by timing both on the first calls of each
-            collective and power-of-two size class (:mod:`._shm_tune`). Default: on unless
+            collective and power-of-two size class (:mod:`.tune`). Default: on unless
             ``direct_min_bytes`` is given.
         store: a c10d store for the creation handshake (default: the process group's own store).
         shm_dir: where segments are created (a tmpfs; Linux's ``/dev/shm``).
@@ -481,7 +336,7 @@ class ShmCommunicator(_Segment):
         """Yield whether this call takes the direct path (inside :meth:`_call`). ``t``: the tensor whose
         size every rank agrees on; ``eligible``: the call has a direct path and moves bytes; ``on_cpu``:
         every tensor of the call on this rank is on the CPU (default: ``t``'s). With tuning
-        (:mod:`._shm_tune`) a call of a class still being counted is counted once it has succeeded, a
+        (:mod:`.tune`) a call of a class still being counted is counted once it has succeeded, a
         trial is timed, and a trial on the slots ends with a DONE barrier, as the direct path does, so
         that both measure the group. A rank with a tensor off the CPU takes the slots; if its peers took
         the direct path, the call signature (root -2 there) raises the same error on every rank."""
@@ -522,125 +377,10 @@ class ShmCommunicator(_Segment):
         return self._tuner.path(function, nbytes) or "tuning"
 
     def tuned_paths(self) -> dict[str, dict[int, str]]:
-        """The path each collective takes per size class, as measured so far (:mod:`._shm_tune`):
+        """The path each collective takes per size class, as measured so far (:mod:`.tune`):
         ``{"all_reduce": {1048576: "slots", ...}}``, keyed by the smallest size of the class in bytes.
         Empty without tuning (``tune=False``, an explicit ``direct_min_bytes``, or no direct path)."""
         return self._tuner.decisions() if self._tuner is not None else {}
-
-    def _begin_direct(
-        self, function: str, sig: list[int], addr: int, meanwhile: Callable[[], Any] | None = None
-    ) -> tuple[int, tuple[str, int, int]]:
-        """Publish this rank's tensor address with ARRIVE, wait for every rank, compare the signatures.
-        ``meanwhile`` (work on this rank's own memory only) runs between the publish and the wait."""
-        what = (function, 0, 1)
-        k, _ = self._next()
-        self._lines[self.rank, _ADDR] = addr
-        self._publish(_ARRIVE, k, _with_seq(sig, k))
-        if meanwhile is not None:
-            meanwhile()
-        self._wait(_ARRIVE, k, what)
-        self._check_sig(k, _with_seq(sig, k))
-        return k, what
-
-    def _end_direct(self, k: int, what: tuple[str, int, int]) -> None:
-        """DONE barrier: after it no peer reads this rank's memory, so the caller may change it."""
-        self._publish(_DONE, k)
-        self._wait(_DONE, k, what)
-
-    def _reduce_chunk_direct(
-        self, addrs: list[int], lo: int, hi: int, own: torch.Tensor, out: torch.Tensor, op: str,
-        what: tuple[str, int, int], write_back: bool = False,
-    ) -> None:  # fmt: skip
-        """``out`` = the reduction of elements [lo, hi) of every rank's flat tensor (rank j's at
-        ``addrs[j]``, this rank's is ``own``; ``out`` may be ``own[lo:hi]``), block by block: the peers'
-        blocks are read into a private buffer that stays in cache, then combined with this rank's.
-        ``write_back``: each reduced block is also written into every peer's tensor, where it was read
-        from, while it is still in cache (the all-reduce)."""
-        dtype, es, n, r = own.dtype, _esize(own.dtype), self.size, self.rank
-        binary = pairwise(op, dtype)
-        block = max(1, self.direct_block_bytes // max(1, n - 1) // es)
-        rows = self._scratch_rows(dtype, min(block, max(1, hi - lo)))
-        peers = [j for j in range(n) if j != r]
-        for s in range(lo, hi, block):
-            e = min(hi, s + block)
-            m = e - s
-            for i, j in enumerate(peers):
-                self._peer_read(j, rows[i, :m], addrs[j] + s * es, what)
-            dst = out[s - lo : e - lo]
-            if binary is not None:  # in place over this rank's block: no copy of it
-                binary(own[s:e], rows[0, :m], out=dst)
-                for i in range(1, n - 1):
-                    binary(dst, rows[i, :m], out=dst)
-            else:
-                rows[n - 1, :m].copy_(own[s:e])
-                _reduce_rows(rows[:, :m], dst, op)
-            if op == "mean":
-                divide_(dst, n)
-            if write_back:
-                for j in peers:
-                    self._peer_write(j, dst, addrs[j] + s * es, what)
-
-    def _all_reduce_direct(self, flat: torch.Tensor, op: str) -> None:
-        """Every rank reduces its 1/n chunk by reading the others' tensors where they lie (no copy into
-        the segment), block by block, into its own tensor, and writes each reduced block into the others'
-        tensors at once (``process_vm_writev``, the block still in cache): each rank moves about
-        (n-1)/n·S in and (n-1)/n·S out, plus one reduction of S/n, between two barriers (ARRIVE, DONE).
-        Rank j's chunk r is touched by rank r alone (read, then overwritten with the result), and no rank
-        returns before every rank has written (DONE)."""
-        n, r, dtype = self.size, self.rank, flat.dtype
-        es, numel = _esize(dtype), flat.numel()
-        grain = max(1, _ALIGN // es)
-        q = -(-numel // n // grain) * grain
-        bounds = [(min(numel, j * q), min(numel, (j + 1) * q)) for j in range(n)]
-        sig = _signature("all_reduce", op, dtype, numel, -2, 0, 1)
-        trace = self.trace
-        if trace is not None:
-            t0, c0 = time.perf_counter(), time.thread_time()
-        k, what = self._begin_direct("all_reduce", sig, flat.data_ptr())
-        if trace is not None:
-            t1, c1 = time.perf_counter(), time.thread_time()
-        addrs = [int(a) for a in self._lines[:, _ADDR]]
-        a, c = bounds[r]
-        if c > a:  # nobody else reads or writes my chunk of any tensor: reduce it in place
-            self._reduce_chunk_direct(addrs, a, c, flat, flat[a:c], op, what, write_back=True)
-        if trace is not None:
-            t2, c2 = time.perf_counter(), time.thread_time()
-        self._end_direct(k, what)
-        if trace is not None:
-            trace.append((t0, t1, t2, time.perf_counter(), c1 - c0, c2 - c1))
-
-    def _reduce_scatter_direct(
-        self, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str, out: torch.Tensor
-    ) -> None:
-        sig = _signature("reduce_scatter", op, flat.dtype, flat.numel(), -2, _bounds_hash(
-            [b - a for a, b in bounds]), 1)  # fmt: skip
-        k, what = self._begin_direct("reduce_scatter", sig, flat.data_ptr())
-        addrs = [int(a) for a in self._lines[:, _ADDR]]
-        lo, hi = bounds[self.rank]
-        if hi > lo:
-            self._reduce_chunk_direct(addrs, lo, hi, flat, out, op, what)
-        self._end_direct(k, what)
-
-    def _all_gather_direct(
-        self, mine: torch.Tensor, bounds: list[tuple[int, int]], out: torch.Tensor
-    ) -> None:
-        sig = _signature("all_gather", "", mine.dtype, out.numel(), -2, _bounds_hash(
-            [b - a for a, b in bounds]), 1)  # fmt: skip
-        lo, hi = bounds[self.rank]
-        own = out[lo:hi]  # this rank's part is copied while the others arrive
-        k, what = self._begin_direct("all_gather", sig, mine.data_ptr(), lambda: own.copy_(mine))
-        addrs = [int(a) for a in self._lines[:, _ADDR]]
-        for j, (a, c) in enumerate(bounds):
-            if c > a and j != self.rank:
-                self._peer_read(j, out[a:c], addrs[j], what)
-        self._end_direct(k, what)
-
-    def _broadcast_direct(self, flat: torch.Tensor, root: int) -> None:
-        sig = _signature("broadcast", "", flat.dtype, flat.numel(), root, -2, 1)
-        k, what = self._begin_direct("broadcast", sig, flat.data_ptr())
-        if self.rank != root:
-            self._peer_read(root, flat, int(self._lines[root, _ADDR]), what)
-        self._end_direct(k, what)
 
     @torch.no_grad()
     def all_reduce_inplace_slot(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
@@ -693,7 +433,7 @@ class ShmCommunicator(_Segment):
     def _reduce_arena_chunk(self, flat: torch.Tensor, off: int, a: int, c: int, op: str) -> None:
         """Elements [a, c) of this rank's arena tensor ``flat`` (at arena offset ``off``) become their
         reduction over every rank's copy, in place, in rank order (``((x0 + x1) + x2) + ...``, as
-        :func:`._shm_ops._reduce_rows` does), block by block. With a pairwise op the last combination
+        :func:`.ops._reduce_rows` does), block by block. With a pairwise op the last combination
         writes straight into ``flat`` (earlier partial results of 3+ ranks go through an L2-sized private
         block); the others reduce into the block and copy it back."""
         dtype, es, n = flat.dtype, _esize(flat.dtype), self.size
@@ -723,91 +463,3 @@ class ShmCommunicator(_Segment):
 
 # ---------------------------------------------------------------------------------------------------
 # module level: comm's conventions, one cached communicator per group
-
-
-_CACHE: dict[int, tuple[Any, ShmCommunicator]] = {}
-"""id(process group) → (the group, its communicator). The group is held so that its id stays unique."""
-
-
-def get_communicator(group: Any = None, **kwargs: Any) -> ShmCommunicator:
-    """The cached communicator of ``group`` (created on first use: collective, every rank must call).
-
-    ``kwargs`` (``capacity_bytes``, ``timeout_s``, ``arena_bytes``...) apply when it is created. Entries
-    of destroyed process groups are dropped. Strategies that want their own settings (an arena for
-    zero-copy buckets) construct a :class:`ShmCommunicator` themselves instead.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return ShmCommunicator(group, **kwargs)
-    pg = group if group is not None else dist.group.WORLD
-    live = dist.distributed_c10d._world.pg_map
-    for key, (g, c) in list(_CACHE.items()):
-        if g not in live:
-            c.close()
-            del _CACHE[key]
-    entry = _CACHE.get(id(pg))
-    if entry is not None and entry[0] is pg and not entry[1].closed:
-        return entry[1]
-    comm = ShmCommunicator(group, **kwargs)
-    _CACHE[id(pg)] = (pg, comm)
-    return comm
-
-
-def close_all() -> None:
-    """Close every cached communicator (registered with ``atexit``)."""
-    for _, comm in list(_CACHE.values()):
-        comm.close()
-    _CACHE.clear()
-
-
-atexit.register(close_all)
-
-
-@torch.no_grad()
-def all_reduce(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over the group; every rank ends with the result in ``tensor`` (in place)."""
-    return get_communicator(group).all_reduce(tensor, op)
-
-
-@torch.no_grad()
-def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = "sum", group: Any = None) -> torch.Tensor:
-    """Reduce into ``tensor`` on global rank ``dst`` (in place); the others' tensors are unchanged."""
-    return get_communicator(group).reduce(tensor, dst, op)
-
-
-@torch.no_grad()
-def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None) -> torch.Tensor:
-    """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of the group (in place)."""
-    return get_communicator(group).broadcast(tensor, src)
-
-
-@torch.no_grad()
-def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Every rank's ``tensor`` (same shape everywhere), concatenated along dim 0 in group-rank order."""
-    if tensor.dim() == 0:
-        raise ValueError("all_gather: a 0-d tensor has no dim 0 to concatenate along; reshape it to (1,).")
-    comm = get_communicator(group)
-    out = torch.empty(
-        (comm.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
-    )
-    return comm.all_gather(out, tensor) if out.numel() else out
-
-
-@torch.no_grad()
-def reduce_scatter(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over the group and return ``torch.tensor_split(result, n)[rank]`` along dim 0
-    (parts may differ by one row; some are empty when dim 0 is shorter than the group)."""
-    if tensor.dim() == 0:
-        raise ValueError("reduce_scatter: a 0-d tensor has no dim 0 to split along; reshape it to (1,).")
-    comm = get_communicator(group)
-    rows = chunk_bounds(tensor.shape[0], comm.size)
-    unit = math.prod(tensor.shape[1:])
-    out = torch.empty(
-        (rows[comm.rank][1] - rows[comm.rank][0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
-    )
-    if tensor.numel() == 0:
-        name, factor = split_premul(op)
-        if factor is not None:
-            premultiply(tensor, factor, "shm reduce_scatter")
-        check_op("shm reduce_scatter", name, tensor.dtype)
-        return out
-    return comm.reduce_scatter_flat(tensor, [(a * unit, b * unit) for a, b in rows], op, out)
