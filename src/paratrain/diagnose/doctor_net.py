@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from paratrain.launch.rendezvous import port_in_use
+
 Status = Literal["ok", "warning", "fail"]
 Interfaces = Mapping[str, list[str]]
 """Interface name -> its addresses (IPv4 and IPv6 as text); an interface without an address maps to []."""
@@ -366,17 +368,6 @@ def parse_port(value: str) -> int | str:
     return port if 0 < port < 65536 else f"{port} is outside 1..65535"
 
 
-def port_free(port: int, host: str = "") -> bool:
-    """Whether ``port`` can be bound (on every interface by default, as a TCPStore listens)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def check_master_port(env: Mapping[str, str], ifaces: Interfaces) -> Check:
     name = "MASTER_PORT"
     value = env.get(name)
@@ -406,7 +397,7 @@ def check_master_port(env: Mapping[str, str], ifaces: Interfaces) -> Check:
         a in mine or ipaddress.ip_address(a).is_loopback for a in resolved
     )
     in_job = "TORCHELASTIC_RUN_ID" in env or "RANK" in env  # inside a job the store owns the port
-    if is_here and not in_job and not port_free(port):
+    if is_here and not in_job and port_in_use("", port):
         return Check(
             name,
             "fail",

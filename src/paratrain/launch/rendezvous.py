@@ -13,6 +13,8 @@ from paratrain.errors import ConfigError
 
 
 def port_in_use(host: str, port: int) -> bool:
+    """Whether ``port`` cannot be bound on ``host`` (``""``: every interface, as a TCPStore listens): the one
+    port probe of the launcher's preflight and ``paratrain doctor``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
