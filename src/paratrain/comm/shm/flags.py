@@ -153,7 +153,7 @@ class _Flags(_Segment):
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHECK_S
-                self._check_peers(late, word, what)
+                self._check_peers(late, word, seq, what)
             if now >= deadline:
                 ranks = ", ".join(str(self.peers.global_rank(j)) for j in late)
                 raise TimeoutError(
@@ -161,16 +161,23 @@ class _Flags(_Segment):
                     f"(waiting for its {_STEP[word]}{self._piece(what)})"
                 )
 
-    def _check_peers(self, late: list[int], word: int, what: tuple[str, int, int]) -> None:
+    def _check_peers(self, late: list[int], word: int, seq: int, what: tuple[str, int, int]) -> None:
+        """Raise naming a late rank that gave up, closed or died. A rank whose flag has reached ``seq`` since
+        ``late`` was read is not late: it may have finished this call and closed its communicator while this
+        rank slept (the flags stay set after a close), so its status is read first, then its flag."""
         for j in late:
             line = self._lines[j]
             g = self.peers.global_rank(j)
-            if line[_STATUS] == _ABORTED:
+            status = int(line[_STATUS])
+            _fence()
+            if line[word] >= seq:
+                continue
+            if status == _ABORTED:
                 raise RuntimeError(
                     f"{self._where(what)}: rank {g} gave up on this collective (it raised an error; see its "
                     "log), so it cannot complete"
                 )
-            if line[_STATUS] == _CLOSED:
+            if status == _CLOSED:
                 raise RuntimeError(f"{self._where(what)}: rank {g} closed its shm communicator")
             pid, started = int(line[_PID]), int(line[_START])
             if pid and started and self._same_pidns and _start_time(pid) != started:
