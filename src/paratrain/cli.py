@@ -206,7 +206,7 @@ def _launch(p: argparse.ArgumentParser) -> None:
 
 
 def _lint(p: argparse.ArgumentParser) -> None:
-    from paratrain.diagnose.lint import cli as lint_cli
+    from paratrain.lint import cli as lint_cli
 
     lint_cli.add_arguments(p)
     p.set_defaults(func=lint_cli.run)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.diagnose.lint import RULES, lint_paths, lint_source
-from paratrain.diagnose.lint.cli import add_arguments, run
-from paratrain.diagnose.lint.flake8 import ParatrainChecker
+from paratrain.lint import RULES, lint_paths, lint_source
+from paratrain.lint.cli import add_arguments, run
+from paratrain.lint.flake8 import ParatrainChecker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -899,7 +899,7 @@ def test_python_dash_m_subprocess(tmp_path: Path) -> None:
     bad = tmp_path / "train.py"
     bad.write_text(BAD)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "paratrain.diagnose.lint"]
+    cmd = [sys.executable, "-m", "paratrain.lint"]
     done = subprocess.run([*cmd, "--json", str(bad)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["files"] == 1
@@ -908,7 +908,7 @@ def test_python_dash_m_subprocess(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and done.stdout == ""
     # pure source analysis: linting imports no torch
     probe = (
-        "import sys, paratrain.diagnose.lint as l; l.lint_paths([sys.argv[1]]); print('torch' in sys.modules)"
+        "import sys, paratrain.lint as l; l.lint_paths([sys.argv[1]]); print('torch' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, env=env, timeout=60

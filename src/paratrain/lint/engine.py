@@ -1,7 +1,7 @@
 """The lint engine: the rule registry, findings, ignore comments, and running rules over files.
 
 A rule is one function ``check(m: Module) -> Iterable[Hit]`` registered with :func:`rule`; it reads the
-parsed module through the helpers of :mod:`paratrain.diagnose.lint.analysis` and yields a :class:`Hit` per
+parsed module through the helpers of :mod:`paratrain.lint.analysis` and yields a :class:`Hit` per
 problem. The engine turns hits into :class:`Finding` s (path, 1-based line and column as ruff prints
 them), drops the ones silenced by ``# paratrain: ignore[rule-id]`` (or a bare ``# paratrain: ignore``) on
 their line, and sorts them. A file that does not parse yields one ``syntax-error`` finding instead.

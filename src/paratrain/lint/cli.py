@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from paratrain.errors import ConfigError
@@ -88,4 +89,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.findings else 0
 
 
-__all__ = ["RULES", "add_arguments", "run"]
+def main(argv: list[str] | None = None, prog: str = "paratrain lint") -> int:
+    """Parse ``argv`` (``sys.argv[1:]`` when None) as ``paratrain lint``'s arguments and run it.
+
+    This is what ``paratrain lint`` and ``python -m paratrain.lint`` call: it imports only this package and
+    the standard library, so linting starts without torch.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Static checks for distributed PyTorch training scripts (see docs/lint.md)."
+    )
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except BrokenPipeError:  # `... | head`: the reader left; exit quietly as other CLI tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+__all__ = ["RULES", "add_arguments", "main", "run"]

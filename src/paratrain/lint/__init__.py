@@ -1,6 +1,6 @@
 """``paratrain lint``: a static checker for torchrun-style training scripts (seed 001's pitfalls and more).
 
-    from paratrain.diagnose.lint import lint_paths, lint_source, RULES
+    from paratrain.lint import lint_paths, lint_source, RULES
     report = lint_paths(["train.py"])          # LintReport(files=1, findings=[Finding(...), ...])
     lint_source(text, "train.py")              # list[Finding] for one file's text
 

@@ -3,7 +3,7 @@
 Register it in pyproject.toml::
 
     [project.entry-points."flake8.extension"]
-    PTL = "paratrain.diagnose.lint.flake8:ParatrainChecker"
+    PTL = "paratrain.lint.flake8:ParatrainChecker"
 
 then ``flake8 --select PTL train.py``. Codes are stable, one per rule id (``paratrain lint --list-rules``):
 
