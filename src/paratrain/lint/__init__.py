@@ -1,4 +1,4 @@
-"""``paratrain lint``: a static checker for torchrun-style training scripts (seed 001's pitfalls and more).
+"""``paratrain lint``: a static checker for torchrun-style training scripts (the classic DDP pitfalls and more).
 
     from paratrain.lint import lint_paths, lint_source, RULES
     report = lint_paths(["train.py"])          # LintReport(files=1, findings=[Finding(...), ...])

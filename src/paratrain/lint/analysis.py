@@ -332,7 +332,19 @@ class Module:
             return False  # only the "fake" backend: one process standing in for many
         if self.reads_rank_env:
             return True
-        return any(self.callee(c) in ("paratrain.init", "paratrain.runtime.init") for c in self.calls)
+        # a framework that starts (or joins) the process group itself: Fabric, Accelerate, DeepSpeed
+        return any(
+            self.callee(c) in ("paratrain.init", "paratrain.runtime.init")
+            or (
+                self.callee(c).startswith("deepspeed.")
+                and self.callee(c).endswith(("initialize", "init_distributed"))
+            )
+            or (
+                self.callee(c).rpartition(".")[2] in ("Fabric", "Accelerator")
+                and self.callee(c).split(".", 1)[0] in ("lightning", "lightning_fabric", "accelerate", "L")
+            )
+            for c in self.calls
+        )
 
     def uses_devices(self, scope: ast.AST) -> bool:
         """Code in ``scope`` (or at module level) places things on an accelerator: ``.to(device)``,

@@ -1,4 +1,9 @@
-"""``paratrain lint [--json] [--select RULES] [--ignore RULES] [--list-rules] PATH...``.
+"""``paratrain lint [--json] [--select RULES] [--extend-select RULES] [--ignore RULES] [--list-rules] PATH...``.
+
+Rules come in two tiers: ``default`` (their findings are mistakes) and ``hygiene`` (opt-in good practice).
+Selection follows ruff: ``--select`` replaces the default set, ``--extend-select`` adds to it, ``--ignore``
+removes; each takes rule ids, PTL codes or the groups ``default``, ``hygiene``, ``ALL``. The nearest
+``pyproject.toml`` with a ``[tool.paratrain.lint]`` table gives the same keys (``--isolated`` skips it).
 
 Exit codes: 0 when the files are clean, 1 when there is any finding, 2 on a usage error (a missing path,
 an unknown rule id, no path given). ``--json`` prints exactly one object on stdout:
@@ -11,10 +16,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from paratrain.errors import ConfigError
 
 from .engine import RULES, SYNTAX_ERROR, SYNTAX_ERROR_CODE, LintReport, lint_paths, load_rules
+from .settings import LintSettings, find_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,10 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help='print one JSON object: {"files": N, "findings": [...]}'
     )
     p.add_argument(
-        "--select", metavar="RULES", help="comma-separated rule ids (or PTL codes) to run; default: all rules"
+        "--select",
+        metavar="RULES",
+        help="comma-separated rule ids, PTL codes or groups (default, hygiene, ALL) to run instead of the "
+        "default tier",
+    )
+    p.add_argument(
+        "--extend-select", metavar="RULES", help="rules or groups to run in addition (e.g. hygiene)"
     )
     p.add_argument("--ignore", metavar="RULES", help="comma-separated rule ids (or PTL codes) to skip")
-    p.add_argument("--list-rules", action="store_true", help="print every rule (id, code, severity, summary)")
+    p.add_argument("--isolated", action="store_true", help="ignore [tool.paratrain.lint] in pyproject.toml")
+    p.add_argument(
+        "--list-rules", action="store_true", help="print every rule (id, code, tier, severity, summary)"
+    )
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -36,18 +52,37 @@ def _split(value: str | None) -> list[str] | None:
 
 def _list_rules(as_json: bool) -> int:
     rules = load_rules()
-    rows = [(r.id, r.code, r.severity, r.summary) for r in rules.values()]
+    rows = [(r.id, r.code, r.tier, r.severity, r.summary) for r in rules.values()]
     rows.append(
-        (SYNTAX_ERROR, SYNTAX_ERROR_CODE, "error", "the file does not parse; no other rule ran on it")
+        (
+            SYNTAX_ERROR,
+            SYNTAX_ERROR_CODE,
+            "default",
+            "error",
+            "the file does not parse; no other rule ran on it",
+        )
     )
     if as_json:
-        keys = ("id", "code", "severity", "summary")
+        keys = ("id", "code", "tier", "severity", "summary")
         print(json.dumps({"rules": [dict(zip(keys, row, strict=True)) for row in rows]}))
         return 0
     width = max(len(row[0]) for row in rows)
-    for rule_id, code, severity, summary in rows:
-        print(f"{rule_id:<{width}}  {code}  {severity:<7}  {summary}")
+    for rule_id, code, tier, severity, summary in rows:
+        print(f"{rule_id:<{width}}  {code}  {tier:<7}  {severity:<7}  {summary}")
     return 0
+
+
+def selection(args: argparse.Namespace) -> tuple[list[str] | None, list[str], list[str]]:
+    """(select, extend_select, ignore) from the flags over ``[tool.paratrain.lint]`` (unless --isolated)."""
+    settings = LintSettings() if getattr(args, "isolated", False) else find_settings(Path.cwd())
+    select = _split(getattr(args, "select", None))
+    extend = _split(getattr(args, "extend_select", None)) or []
+    ignore = _split(getattr(args, "ignore", None)) or []
+    return (
+        select if select is not None else settings.select,
+        [*settings.extend_select, *extend],
+        [*settings.ignore, *ignore],
+    )
 
 
 def _print_text(report: LintReport) -> None:
@@ -76,9 +111,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not paths:
             raise ConfigError("no PATH given: name the files or directories to lint (or use --list-rules)")
-        report = lint_paths(
-            paths, select=_split(getattr(args, "select", None)), ignore=_split(getattr(args, "ignore", None))
-        )
+        select, extend, ignore = selection(args)
+        report = lint_paths(paths, select=select, ignore=ignore, extend_select=extend)
     except ConfigError as e:
         print(f"paratrain lint: error: {e}", file=sys.stderr)
         return 2
@@ -106,4 +140,4 @@ def main(argv: list[str] | None = None, prog: str = "paratrain lint") -> int:
         return 1
 
 
-__all__ = ["RULES", "add_arguments", "main", "run"]
+__all__ = ["RULES", "add_arguments", "main", "run", "selection"]

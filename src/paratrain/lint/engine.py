@@ -26,6 +26,9 @@ from paratrain.errors import ConfigError, suggest
 from .analysis import Module
 
 Severity = Literal["error", "warning"]
+Tier = Literal["default", "hygiene"]
+# Group names accepted wherever rule ids are (``--select``, ``--extend-select``, ``--ignore``, pyproject).
+GROUPS: tuple[str, ...] = ("default", "hygiene", "ALL")
 
 SYNTAX_ERROR = "syntax-error"
 SYNTAX_ERROR_CODE = "PTL000"
@@ -57,6 +60,7 @@ class Rule:
     summary: str
     fix: str
     check: Check = field(repr=False, compare=False)
+    tier: Tier = "default"
 
 
 @dataclass(frozen=True)
@@ -99,13 +103,19 @@ class LintReport:
 RULES: dict[str, Rule] = {}
 
 
-def rule(rule_id: str, code: str, severity: Severity, summary: str, fix: str) -> Callable[[Check], Check]:
-    """Register ``check`` as the rule ``rule_id`` (flake8 code ``code``) with its default severity and fix."""
+def rule(
+    rule_id: str, code: str, severity: Severity, summary: str, fix: str, tier: Tier = "default"
+) -> Callable[[Check], Check]:
+    """Register ``check`` as the rule ``rule_id`` (flake8 code ``code``) with its default severity and fix.
+
+    ``tier="default"`` rules run unless deselected: their findings are mistakes. ``tier="hygiene"`` rules
+    (good practice whose absence is rarely a bug) run only when selected by id or with the ``hygiene`` group.
+    """
 
     def register(check: Check) -> Check:
         if rule_id in RULES or any(r.code == code for r in RULES.values()):
             raise RuntimeError(f"lint rule {rule_id} ({code}) registered twice")
-        RULES[rule_id] = Rule(rule_id, code, severity, summary, fix, check)
+        RULES[rule_id] = Rule(rule_id, code, severity, summary, fix, check, tier)
         return check
 
     return register
@@ -113,7 +123,7 @@ def rule(rule_id: str, code: str, severity: Severity, summary: str, fix: str) ->
 
 def load_rules() -> dict[str, Rule]:
     """:data:`RULES`, filled: importing the theme modules runs their ``@rule`` decorators (code order)."""
-    from . import rules_device, rules_loop, rules_model, rules_process  # noqa: F401
+    from . import rules_device, rules_loop, rules_model, rules_process, rules_ranks  # noqa: F401
 
     if list(RULES) != sorted(RULES, key=lambda r: RULES[r].code):
         ordered = sorted(RULES.values(), key=lambda r: r.code)
@@ -123,7 +133,8 @@ def load_rules() -> dict[str, Rule]:
 
 
 def resolve_rule_ids(names: Iterable[str]) -> set[str]:
-    """Rule ids for user-given ids or flake8 codes (``unsafe-torch-load`` or ``PTL012``); ConfigError else."""
+    """Rule ids for user-given ids, flake8 codes or groups (``unsafe-torch-load``, ``PTL012``, ``hygiene``,
+    ``default``, ``ALL``); ConfigError for anything else."""
     rules = load_rules()
     by_code = {r.code: r.id for r in rules.values()} | {SYNTAX_ERROR_CODE: SYNTAX_ERROR}
     known = [*rules, SYNTAX_ERROR]
@@ -132,13 +143,22 @@ def resolve_rule_ids(names: Iterable[str]) -> set[str]:
         name = raw.strip()
         if not name:
             continue
-        if name in known:
+        if name.upper() in ("ALL", "PTL"):
+            out |= set(known)
+        elif name.lower() in ("default", "hygiene"):
+            out |= {r.id for r in rules.values() if r.tier == name.lower()}
+        elif name in known:
             out.add(name)
         elif name.upper() in by_code:
             out.add(by_code[name.upper()])
         else:
-            raise ConfigError(f"unknown lint rule {name!r}. {suggest(name, known)}")
+            raise ConfigError(f"unknown lint rule {name!r}. {suggest(name, [*known, *GROUPS])}")
     return out
+
+
+def default_rule_ids() -> set[str]:
+    """What runs when nothing is selected: the default tier, and ``syntax-error``."""
+    return {r.id for r in load_rules().values() if r.tier == "default"} | {SYNTAX_ERROR}
 
 
 _IGNORE = re.compile(r"#\s*paratrain:\s*ignore\b(?:\[([^\]]*)\])?", re.IGNORECASE)
@@ -169,8 +189,12 @@ def ignore_comments(text: str) -> dict[int, set[str]]:
     return out
 
 
-def _chosen(select: Iterable[str] | None, ignore: Iterable[str] | None) -> set[str]:
-    chosen = resolve_rule_ids(select) if select is not None else {*load_rules(), SYNTAX_ERROR}
+def _chosen(
+    select: Iterable[str] | None, ignore: Iterable[str] | None, extend_select: Iterable[str] | None = None
+) -> set[str]:
+    """ruff's semantics: ``select`` replaces the default set, ``extend_select`` adds to it, ``ignore`` wins."""
+    chosen = resolve_rule_ids(select) if select is not None else default_rule_ids()
+    chosen |= resolve_rule_ids(extend_select) if extend_select is not None else set()
     return chosen - (resolve_rule_ids(ignore) if ignore is not None else set())
 
 
@@ -184,13 +208,15 @@ def lint_tree(
     path: str,
     select: Iterable[str] | None = None,
     ignore: Iterable[str] | None = None,
+    extend_select: Iterable[str] | None = None,
 ) -> list[Finding]:
     """Run the rules over an already parsed module (the flake8 plugin passes flake8's tree).
 
-    ``select``/``ignore`` take rule ids or flake8 codes; an unknown one raises :class:`ConfigError`.
+    ``select``/``extend_select``/``ignore`` take rule ids, flake8 codes or groups (``hygiene``...); an
+    unknown one raises :class:`ConfigError`. Without ``select``, the default tier runs.
     """
     rules = load_rules()
-    chosen = _chosen(select, ignore)
+    chosen = _chosen(select, ignore, extend_select)
     module = Module(tree, path)
     silenced = ignore_comments(text)
     findings: set[Finding] = set()
@@ -212,10 +238,11 @@ def lint_source(
     path: str = "<string>",
     select: Iterable[str] | None = None,
     ignore: Iterable[str] | None = None,
+    extend_select: Iterable[str] | None = None,
 ) -> list[Finding]:
     """Findings for one file's source ``text``; a file that does not parse gives one ``syntax-error``.
 
-    ``select``/``ignore`` take rule ids or flake8 codes, as :func:`lint_paths` does.
+    ``select``/``extend_select``/``ignore`` as :func:`lint_tree` takes them.
     """
     try:
         with warnings.catch_warnings():
@@ -240,7 +267,7 @@ def lint_source(
                 "fix the syntax (python -m py_compile FILE shows the same error)",
             )
         ]
-    return lint_tree(tree, text, path, select, ignore)
+    return lint_tree(tree, text, path, select, ignore, extend_select)
 
 
 def read_source(path: Path) -> str:
@@ -278,12 +305,13 @@ def lint_paths(
     paths: Sequence[str | Path],
     select: Iterable[str] | None = None,
     ignore: Iterable[str] | None = None,
+    extend_select: Iterable[str] | None = None,
 ) -> LintReport:
     """Lint files and directories (``*.py`` recursively). A missing path raises :class:`ConfigError`.
 
-    ``select``/``ignore`` take rule ids or flake8 codes; an unknown one raises :class:`ConfigError`.
+    ``select``/``extend_select``/``ignore`` as :func:`lint_tree` takes them.
     """
-    chosen = resolve_rule_ids(select) if select is not None else None
+    chosen = sorted(_chosen(select, None, extend_select))
     dropped = resolve_rule_ids(ignore) if ignore is not None else None
     report = LintReport()
     for f in iter_python_files(paths):

@@ -15,7 +15,12 @@ then ``flake8 --select PTL train.py``. Codes are stable, one per rule id (``para
     PTL006 loss-not-on-device           PTL014 no-destroy-process-group
     PTL007 hardcoded-device             PTL015 hardcoded-rendezvous
     PTL008 unseeded-init                PTL016 unreduced-metric
+    PTL017 unseeded-split               PTL020 context-manager-not-entered
+    PTL018 global-rank-as-device        PTL021 local-rank-as-rank
+    PTL019 rank-independent-seed
 
+The plugin runs the rules ``paratrain lint`` would: the default tier, or what ``[tool.paratrain.lint]`` in
+the nearest ``pyproject.toml`` selects (``extend-select = ["hygiene"]`` for the opt-in rules).
 (``syntax-error`` is PTL000 in ``--select``; flake8 reports unparsable files itself, as E999.) Each
 message ends with the rule id in brackets; ``paratrain lint`` prints the fix as well. flake8 applies its
 own ``# noqa: PTL003``; ``# paratrain: ignore[...]`` comments are honored as well.
@@ -30,6 +35,7 @@ from pathlib import Path
 from paratrain import __version__
 
 from .engine import RULES, lint_tree, load_rules, read_source
+from .settings import find_settings
 
 
 class ParatrainChecker:
@@ -56,7 +62,9 @@ class ParatrainChecker:
         if not isinstance(self.tree, ast.Module):
             return
         rules = load_rules()
-        for f in lint_tree(self.tree, self._text(), self.filename):
+        settings = find_settings(Path.cwd())  # flake8 runs from the project root, as ruff looks it up
+        chosen = (settings.select, settings.ignore, settings.extend_select)
+        for f in lint_tree(self.tree, self._text(), self.filename, *chosen):
             code = rules[f.rule].code
             yield f.line, f.col - 1, f"{code} {f.message} [{f.rule}]", type(self)
 

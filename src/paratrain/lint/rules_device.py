@@ -1,6 +1,6 @@
 """Rules about processes and devices: DataParallel, wrap-before-move, hard-coded devices, losses off device.
 
-Seed 001's Consolidated Pitfall Table, rows 1, 2, 6 and 7.
+The classic DDP pitfalls about devices.
 """
 
 from __future__ import annotations
@@ -71,19 +71,25 @@ def _wrapped_name(m: Module, call: ast.Call) -> str | None:
     "torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])",
 )
 def data_parallel(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 1: ``nn.DataParallel`` is one process driving every GPU with threads.
+    """``nn.DataParallel`` is one process driving every GPU with threads.
 
     Why: the GIL serializes the Python work, GPU 0 gathers every output and gradient (memory and time
     imbalance), and the model is re-replicated every forward: 2-3x on 8 GPUs where DDP gets 7-8x.
+    One finding per function. Not reported: the single-process fallback of a script that also has a
+    distributed path (``DataParallel`` under ``if args.distributed: ... else:`` or ``if world_size == 1``).
     Fix: one process per GPU under torchrun, and ``DistributedDataParallel``.
     """
+    by_scope: dict[ast.AST, list[ast.Call]] = {}
     for c in m.calls:
-        if m.is_torch(c, "DataParallel"):
-            yield Hit(
-                c,
-                "nn.DataParallel runs every GPU from one process (GIL-bound, GPU 0 gathers "
-                "everything); it scales 2-3x on 8 GPUs where DistributedDataParallel scales 7-8x",
-            )
+        if m.is_torch(c, "DataParallel") and not _single_process_branch(m, c):
+            by_scope.setdefault(m.scope_of(c), []).append(c)
+    for calls in by_scope.values():  # wrapping the generator and the discriminator: one decision
+        more = f" (and {len(calls) - 1} more here)" if len(calls) > 1 else ""
+        yield Hit(
+            calls[0],
+            f"nn.DataParallel{more} runs every GPU from one process (GIL-bound, GPU 0 gathers "
+            "everything); it scales 2-3x on 8 GPUs where DistributedDataParallel scales 7-8x",
+        )
 
 
 @rule(
@@ -95,7 +101,7 @@ def data_parallel(m: Module) -> Iterator[Hit]:
     "(FSDP: pass device_id=local_rank, or device_mesh=)",
 )
 def ddp_before_device(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 2: ``DDP(model)`` before ``model.to(device)``.
+    """``DDP(model)`` before ``model.to(device)``.
 
     Why: DDP records the module's device and registers its gradient hooks and buckets when it is built; a
     model moved afterwards (or never, with ``device_ids`` given) fails with "Expected all tensors to be on
@@ -209,7 +215,7 @@ def _tensor_unmoved(m: Module, expr: ast.expr, scope: ast.AST, before: ast.AST) 
     "criterion = nn.CrossEntropyLoss(weight=w).to(device) (or build the weight with device=device)",
 )
 def loss_not_on_device(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 6: a loss function left on the CPU.
+    """a loss function left on the CPU.
 
     Why: a loss module with tensors (``weight=``, ``pos_weight=``, or the parameters of
     ``AdaptiveLogSoftmaxWithLoss``) keeps them where they were built; the first loss on GPU outputs fails
@@ -290,7 +296,7 @@ def _hardcoded_devices(m: Module) -> Iterator[tuple[ast.AST, str]]:
     'local_rank = int(os.environ["LOCAL_RANK"]); device = torch.device(f"cuda:{local_rank}")',
 )
 def hardcoded_device(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 7: a hard-coded GPU index in a multi-process script.
+    """a hard-coded GPU index in a multi-process script.
 
     Why: every rank then uses GPU 0: out of memory there, the other GPUs idle, and NCCL may refuse two
     ranks on one device. Only reported in scripts that start a process group or read torchrun's variables

@@ -1,6 +1,6 @@
 """Rules about the training loop: data partitioning, epoch shuffling, accumulation, logged metrics.
 
-Seed 001's Consolidated Pitfall Table, rows 3, 4 and 9, and ``unreduced-metric`` beyond it.
+The classic DDP pitfalls about data and accumulation, and metrics logged from one rank.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from .analysis import Module
 from .astutil import REDUCING, dotted, identifiers, is_const, kwarg, names_in, pos, root_name
 from .engine import Hit, rule
+from .rules_model import framework_wrappers, imports_from
 
 _ITERATORS = frozenset({"iter", "enumerate", "tqdm", "zip", "islice", "cycle", "chain", "next", "list"})
 _MICRO = re.compile(r"accum|micro|chunk|split", re.IGNORECASE)
@@ -40,20 +41,25 @@ def _dataloader_arg(call: ast.Call, name: str, index: int) -> ast.expr | None:
     "sampler = DistributedSampler(dataset); DataLoader(dataset, batch_size=B, sampler=sampler) (no shuffle=)",
 )
 def no_distributed_sampler(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 3: no ``DistributedSampler``.
+    """no ``DistributedSampler``.
 
     Why: every rank then iterates the whole dataset (in its own shuffled order, or the same order): the
     ranks do not partition the data, so N processes do the work of one and the speed-up is zero.
     ``shuffle=True`` with a ``sampler`` is an error in DataLoader itself. Not reported: loaders built under
     a rank condition (evaluation on rank 0), ``shuffle=False`` given explicitly without a sampler (each rank
     reading everything, on purpose), datasets that are visibly per rank (``Subset(ds, idx[rank::n])``),
+    loaders handed to a framework that shards them (``accelerator.prepare``, Fabric's
+    ``setup_dataloaders``, ``deepspeed.initialize``) or returned by a Lightning ``*_dataloader`` hook,
     ``**kwargs``, and scripts that never start a process group.
     Fix: a ``DistributedSampler`` (or any per-rank sampler/batch_sampler) and no ``shuffle=``.
     """
     if not m.is_distributed:
         return
+    prepared = _framework_prepared(m)
     for c in m.calls:
         if not m.is_torch(c, "DataLoader") or any(k.arg is None for k in c.keywords) or m.rank_guarded(c):
+            continue
+        if c in prepared or _lightning_hook(m, c):
             continue
         dataset = _dataloader_arg(c, "dataset", 0)
         if dataset is not None and _per_rank(m, dataset, c):
@@ -75,6 +81,29 @@ def no_distributed_sampler(m: Module) -> Iterator[Hit]:
                 "DataLoader without a sampler in a distributed script: every rank reads the whole "
                 "dataset, so the ranks repeat each other's work",
             )
+
+
+def _framework_prepared(m: Module) -> set[ast.Call]:
+    """DataLoader calls whose loader reaches a framework call that shards it (directly or by name)."""
+    out: set[ast.Call] = set()
+    for w in framework_wrappers(m):
+        names = {dotted(a) for a in [*w.args, *(k.value for k in w.keywords)]} - {None}
+        for c in m.calls_to("DataLoader"):
+            parent = m.parents.get(c)
+            bound = isinstance(parent, ast.Assign) and any(dotted(t) in names for t in parent.targets)
+            if bound or any(n is c for n in ast.walk(w)):
+                out.add(c)
+    return out
+
+
+def _lightning_hook(m: Module, call: ast.Call) -> bool:
+    """Inside ``train_dataloader``/``val_dataloader``...: Lightning adds the distributed sampler itself."""
+    func = m.enclosing_function(call)
+    return (
+        func is not None
+        and func.name.endswith("_dataloader")
+        and imports_from(m, "lightning", "pytorch_lightning")
+    )
 
 
 def _per_rank(m: Module, dataset: ast.expr, before: ast.AST) -> bool:
@@ -117,7 +146,7 @@ def _handles(m: Module, sampler: ast.Call) -> set[str]:
     "call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader",
 )
 def no_set_epoch(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 4: forgetting ``sampler.set_epoch(epoch)``.
+    """forgetting ``sampler.set_epoch(epoch)``.
 
     Why: DistributedSampler shuffles with ``seed + epoch``; its epoch stays 0 unless set, so every epoch
     visits the data in the first epoch's order (training stalls after epoch one). Reported when the sampler
@@ -241,7 +270,7 @@ def _gated_by_accumulation(m: Module, node: ast.AST, loop: ast.AST) -> ast.If | 
     "run the micro-steps that do not step the optimizer inside `with model.no_sync():`",
 )
 def accumulation_without_no_sync(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 9: gradient accumulation under DDP without ``no_sync()``.
+    """gradient accumulation under DDP without ``no_sync()``.
 
     Why: DDP all-reduces the gradients in every ``backward()``; with accumulation only the last micro-step's
     all-reduce is needed, so the others are wasted communication (K times the traffic for K micro-steps).
@@ -309,26 +338,50 @@ def _reduced_names(m: Module) -> set[str]:
     return out
 
 
+def _evaluation(m: Module, node: ast.AST) -> bool:
+    """``node`` is part of an evaluation: in a function named like ``evaluate``/``test``/``validate``, in a
+    loop over an evaluation loader (``val_loader``), or under ``torch.no_grad()``/``inference_mode()``."""
+    func = m.enclosing_function(node)
+    if func is not None and _EVAL.search(func.name):
+        return True
+    for a in m.ancestors(node):
+        if isinstance(a, ast.For | ast.AsyncFor) and any(_EVAL.search(w) for w in identifiers(a.iter)):
+            return True
+        if isinstance(a, ast.With | ast.AsyncWith) and any(
+            isinstance(i.context_expr, ast.Call)
+            and m.callee(i.context_expr).rpartition(".")[2] in ("no_grad", "inference_mode")
+            for i in a.items
+        ):
+            return True
+        if isinstance(a, ast.FunctionDef | ast.AsyncFunctionDef):
+            break
+    return False
+
+
 @rule(
     "unreduced-metric",
     "PTL016",
     "warning",
-    "a metric printed on rank 0 from local counts that were never all-reduced (best effort)",
+    "an evaluation metric printed on rank 0 from local counts that were never all-reduced (best effort)",
     "all-reduce the counts first: t = torch.tensor([correct, total], device=device); "
     "dist.all_reduce(t); correct, total = t.tolist()",
 )
 def unreduced_metric(m: Module) -> Iterator[Hit]:
-    """Beyond the seed: an accuracy or loss printed on rank 0 from its own counts only.
+    """An evaluation accuracy or loss printed on rank 0 from its own counts only.
 
-    Why: with a DistributedSampler each rank sees 1/N of the data; rank 0's ``correct / total`` is the
-    accuracy of its shard, reported as if it were the model's. Best effort, a warning: reported when a
-    metric-like accumulator (``correct += ...``, ``total_loss += loss.item()``, not ``step += 1``) or a
-    value computed from one is printed or logged under a rank-0 condition (or by a ``print0``-like helper),
-    and no reducing collective (``all_reduce``, ``reduce``, ``all_gather``..., or a helper of this file that
-    calls one) ever receives it. Accumulation that itself runs only on rank 0 is not reported.
+    Why: with a DistributedSampler each rank evaluates 1/N of the data; rank 0's ``correct / total`` is the
+    accuracy of its shard, reported as if it were the model's. Best effort, a warning: reported when, in a
+    script that shards its data (a ``DistributedSampler``), a metric-like accumulator (``correct += ...``,
+    ``val_loss += loss.item()``, not ``step += 1``) summed during an evaluation (a function named like
+    ``evaluate``/``test``, a loop over a ``val``/``test`` loader, or under ``torch.no_grad()``), or a value
+    computed from one, is printed or logged under a rank-0 condition (or by a ``print0``-like helper), and
+    no reducing collective (``all_reduce``, ``reduce``, ``all_gather``..., or a helper of this file that
+    calls one) ever receives it. One finding per function. Not reported: a running training loss (progress
+    logging: every rank's is an unbiased sample), loaders without a sampler (each rank then sees all the
+    data), and accumulation that itself runs only on rank 0.
     Fix: all-reduce the sums before dividing and printing.
     """
-    if not m.is_distributed:
+    if not m.is_distributed or not m.calls_to("DistributedSampler"):
         return
     reduced = _reduced_names(m)
     for scope in [m.tree, *(f for fs in m.functions.values() for f in fs)]:
@@ -342,6 +395,7 @@ def unreduced_metric(m: Module) -> Iterator[Hit]:
             and _METRIC.search(n.target.id)
             and not isinstance(n.value, ast.Constant)
             and m.enclosing_loops(n)
+            and _evaluation(m, n)
             and not m.rank_guarded(n)
         }
         if not accumulators - reduced:
@@ -350,6 +404,8 @@ def unreduced_metric(m: Module) -> Iterator[Hit]:
         for n in nodes:  # acc = correct / total is as local as its inputs
             if isinstance(n, ast.Assign) and names_in(n.value) & local:
                 local |= {t.id for t in n.targets if isinstance(t, ast.Name) and t.id not in reduced}
+        shown: set[str] = set()
+        first: ast.Call | None = None
         for c in nodes:
             if not isinstance(c, ast.Call):
                 continue
@@ -358,11 +414,13 @@ def unreduced_metric(m: Module) -> Iterator[Hit]:
             printer = last in _PRINTS and head.split(".", 1)[0] not in ("math", "numpy", "np", "torch")
             if not (_RANK0_PRINT.search(callee) or (printer and m.rank_guarded(c))):
                 continue
-            shown = {n for arg in [*c.args, *(k.value for k in c.keywords)] for n in names_in(arg)} & local
-            if shown:
-                names = ", ".join(sorted(shown))
-                yield Hit(
-                    c,
-                    f"rank 0 reports {names} from its own shard only: never all-reduced, so the figure "
-                    "covers 1/N of the data",
-                )
+            names = {n for arg in [*c.args, *(k.value for k in c.keywords)] for n in names_in(arg)} & local
+            if names:
+                shown |= names
+                first = first or c
+        if first is not None:  # one finding per function, naming every unreduced figure it reports
+            yield Hit(
+                first,
+                f"rank 0 reports {', '.join(sorted(shown))} from its own shard only: never all-reduced, so "
+                "the figure covers 1/N of the data",
+            )

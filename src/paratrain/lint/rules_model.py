@@ -1,17 +1,16 @@
-"""Rules about the model's replicas: BatchNorm statistics, identical initialization, unused-parameter scan.
-
-Seed 001's Consolidated Pitfall Table, rows 5, 8 and 10.
-"""
+"""Rules about the model's replicas: BatchNorm statistics, identical initialization, unused-parameter scan."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from collections.abc import Iterator
 
 from .analysis import Module
 from .astutil import dotted, identifiers, is_const, kwarg, pos
 from .engine import Hit, rule
+from .values import bound_values, rank_dependent
 
 _BATCHNORMS = (
     "BatchNorm1d",
@@ -55,6 +54,7 @@ _RANDOM_LAYERS = frozenset(
 _PRETRAINED = re.compile(r"from_pretrained|load|checkpoint", re.IGNORECASE)
 _LOADS = frozenset({"load_state_dict", "set_model_state_dict", "set_state_dict", "load"})
 _BROADCASTS = frozenset({"broadcast", "broadcast_parameters", "_sync_module_states", "sync_module_states"})
+_BUILTINS = frozenset(dir(builtins))
 _NOT_TORCH_SEEDS = ("random.seed", "numpy.random.seed", "np.random.seed", "random.Random")
 
 
@@ -70,12 +70,13 @@ def _ddp_calls(m: Module) -> list[ast.Call]:
     "model = nn.SyncBatchNorm.convert_sync_batchnorm(model) before model.to(device) and DDP(...)",
 )
 def batchnorm_not_synced(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 5: plain BatchNorm under DDP.
+    """Plain BatchNorm under DDP.
 
     Why: each rank normalizes with the mean and variance of its own local batch and keeps its own running
     statistics (DDP broadcasts rank 0's buffers every forward, so the others' are thrown away); with small
     per-GPU batches the result differs from single-GPU training or diverges. It is a warning: with large
     per-GPU batches per-rank statistics are a deliberate, common choice.
+    One finding per file, at the first BatchNorm layer: converting is one decision for the whole model.
     Fix: ``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` before wrapping.
     """
     ddp = _ddp_calls(m)
@@ -88,13 +89,18 @@ def batchnorm_not_synced(m: Module) -> Iterator[Hit]:
         for w in identifiers(n)
     ):
         return
-    for c in m.calls:
-        if m.is_torch(c, *_BATCHNORMS):
-            yield Hit(
-                c,
-                f"{m.callee(c).rpartition('.')[2]} in a script that wraps its model in DDP (line "
-                f"{ddp[0].lineno}): each rank normalizes with its own local batch statistics",
-            )
+    layers = [c for c in m.calls if m.is_torch(c, *_BATCHNORMS)]
+    if layers:  # one decision (convert the model or not): one finding, at the first layer
+        more = (
+            f" (and {len(layers) - 1} more BatchNorm layer{'s' if len(layers) > 2 else ''})"
+            if len(layers) > 1
+            else ""
+        )
+        yield Hit(
+            layers[0],
+            f"{m.callee(layers[0]).rpartition('.')[2]}{more} in a script that wraps its model in DDP (line "
+            f"{ddp[0].lineno}): each rank normalizes with its own local batch statistics",
+        )
 
 
 @rule(
@@ -106,7 +112,7 @@ def batchnorm_not_synced(m: Module) -> Iterator[Hit]:
     "(or use static_graph=True for a fixed set of unused ones)",
 )
 def find_unused_parameters(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 10: ``find_unused_parameters=True`` without need.
+    """``find_unused_parameters=True`` without need.
 
     Why: DDP then walks the autograd graph after every forward to mark parameters that will get no
     gradient: extra time every step, and buckets that cannot start all-reducing early. Only models with
@@ -140,8 +146,8 @@ def _seeds_torch(m: Module, call: ast.Call) -> bool:
         return not is_const(kwarg(call, "seed"), None)
     last = full.rpartition(".")[2]
     if "seed" in last.lower():
-        if any(m.is_rank_test(a) for a in [*call.args, *(k.value for k in call.keywords)]):
-            return False  # manual_seed(rank), seed + rank: every rank its own weights, the bug itself
+        if any(rank_dependent(m, a, call) for a in [*call.args, *(k.value for k in call.keywords)]):
+            return False  # manual_seed(rank), seed = seed + rank: every rank its own weights, the bug itself
         return not (full in _NOT_TORCH_SEEDS or full.startswith("torch.cuda.") or last == "initial_seed")
     return False
 
@@ -169,8 +175,9 @@ def _seed_calls(m: Module) -> list[ast.Call]:
     return calls
 
 
-def _seeded_before(m: Module, node: ast.AST, depth: int = 0) -> bool:
-    """A seed is set on the way to ``node``: earlier in its scope, at module level, or before every caller."""
+def seeded_before(m: Module, node: ast.AST, depth: int = 0) -> bool:
+    """A same-on-every-rank torch seed is set on the way to ``node``: earlier in its scope, at module level,
+    or before every caller."""
     scope = m.scope_of(node)
     seeds = _seed_calls(m)
     if any(m.scope_of(c) is scope and pos(c) < pos(node) for c in seeds):
@@ -185,7 +192,7 @@ def _seeded_before(m: Module, node: ast.AST, depth: int = 0) -> bool:
     sites = m.call_sites(func) if func is not None and depth < 4 else []
     if not sites:
         return bool(seeds)  # called from elsewhere: trust a seed anywhere in the file
-    return all(_seeded_before(m, s, depth + 1) for s in sites)
+    return all(seeded_before(m, s, depth + 1) for s in sites)
 
 
 def _module_classes(m: Module) -> frozenset[str]:
@@ -220,8 +227,8 @@ def _builds_model(m: Module, call: ast.Call, classes: frozenset[str]) -> bool:
 def _wrapper_kind(m: Module, call: ast.Call, kind: str) -> str:
     """``"broadcast"`` when the wrapper copies rank 0's parameters to every rank, ``"tp"`` for a TP plan
     (rank 0's values are scattered into the planned layers only), else ``"shard"``."""
-    if kind == "tp":
-        return "tp"
+    if kind in ("tp", "broadcast"):
+        return kind
     if kind == "ddp":
         return "broadcast"
     if kind == "fsdp" and is_const(kwarg(call, "sync_module_states"), True):
@@ -232,6 +239,26 @@ def _wrapper_kind(m: Module, call: ast.Call, kind: str) -> str:
     return "shard"
 
 
+def imports_from(m: Module, *packages: str) -> bool:
+    """The file imports one of ``packages`` (``accelerate``, ``lightning``...)."""
+    return any(v.split(".", 1)[0] in packages for v in m.aliases.values())
+
+
+def framework_wrappers(m: Module) -> list[ast.Call]:
+    """Calls that hand a model (and loaders) to a framework that wraps, broadcasts and shards them:
+    ``deepspeed.initialize``, Accelerate's ``accelerator.prepare``, Fabric's ``setup``/``setup_module``/
+    ``setup_dataloaders``, a Lightning ``Trainer``'s ``fit``."""
+    if "framework_wrappers" not in m.memo:
+        found = [c for c in m.calls_to("initialize") if m.callee(c).startswith("deepspeed.")]
+        if imports_from(m, "accelerate"):
+            found += m.calls_to("prepare", "prepare_model", "prepare_data_loader")
+        if imports_from(m, "lightning", "pytorch_lightning", "lightning_fabric"):
+            found += m.calls_to("setup", "setup_module", "setup_dataloaders", "fit")
+        m.memo["framework_wrappers"] = sorted(found, key=pos)
+    calls: list[ast.Call] = m.memo["framework_wrappers"]
+    return calls
+
+
 def _wrappers(m: Module) -> list[tuple[ast.Call, str]]:
     """Every call that wraps a model for several ranks, with its kind (``"broadcast"``...), in order."""
     found: list[tuple[ast.Call, str]] = list(m.wrapper_calls())
@@ -239,6 +266,7 @@ def _wrappers(m: Module) -> list[tuple[ast.Call, str]]:
         (c, "paratrain") for c in m.calls if m.callee(c) in ("paratrain.setup", "paratrain.parallel.setup")
     ]
     found += [(c, "tp") for c in m.calls_to("parallelize_module", "distribute_module")]
+    found += [(c, "broadcast") for c in framework_wrappers(m)]
     return sorted(((c, _wrapper_kind(m, c, k)) for c, k in found), key=lambda w: pos(w[0]))
 
 
@@ -291,25 +319,79 @@ def _overwritten(m: Module, name: str, after: ast.AST) -> bool:
     return False
 
 
+def _handed_elsewhere(m: Module, name: str, after: ast.AST) -> bool:
+    """``name`` is passed to a function or class this file does not define (``Trainer(model, ...)``), which
+    may wrap or broadcast it: the file alone cannot tell."""
+    for c in m.calls:
+        if pos(c) <= pos(after) or m.callee(c).startswith(("torch.", "nn.")):
+            continue
+        f = c.func
+        local = isinstance(f, ast.Name) and (f.id in m.local_names or f.id in _BUILTINS)
+        if not local and any(dotted(a) == name for a in [*c.args, *(k.value for k in c.keywords)]):
+            return True
+    return False
+
+
+def _plan_keys(m: Module, call: ast.Call) -> set[str] | None:
+    """The first component of each key of a ``parallelize_module`` plan given as a dict literal."""
+    plan = kwarg(call, "parallelize_plan") or (call.args[2] if len(call.args) > 2 else None)
+    if isinstance(plan, ast.Name):
+        values = bound_values(m, plan.id, call)
+        plan = values[-1] if values else None
+    if not isinstance(plan, ast.Dict) or not all(isinstance(k, ast.Constant) for k in plan.keys):
+        return None
+    return {str(k.value).split(".", 1)[0] for k in plan.keys if isinstance(k, ast.Constant)}
+
+
+def _uncovered_layers(m: Module, call: ast.Call, built: ast.Call) -> list[str]:
+    """Randomly initialized layers of the model's class (defined in this file) that the TP plan leaves out.
+
+    Empty when the file cannot tell (the class or the plan is defined elsewhere, the plan is not a dict).
+    """
+    keys = _plan_keys(m, call)
+    if keys is None or "*" in keys or not isinstance(built.func, ast.Name):
+        return []
+    classes = [n for n in m.nodes if isinstance(n, ast.ClassDef) and n.name == built.func.id]
+    if len(classes) != 1:
+        return []
+    layers = []
+    for n in ast.walk(classes[0]):
+        if (
+            isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Call)
+            and m.is_torch(n.value, *_RANDOM_LAYERS)
+        ):
+            for t in n.targets:
+                name = dotted(t) or ""
+                if name.startswith("self.") and name.count(".") == 1:
+                    layers.append(name[5:])
+    return [layer for layer in layers if layer not in keys]
+
+
 @rule(
     "unseeded-init",
     "PTL008",
     "error",
-    "a model built before any seed is set (warning when DDP's broadcast makes the replicas start equal)",
+    "a model built before any same-on-every-rank seed, with nothing that broadcasts it (or a TP plan that "
+    "leaves random layers out)",
     "call torch.manual_seed(SEED) with the same SEED on every rank before building the model",
 )
 def unseeded_init(m: Module) -> Iterator[Hit]:
-    """Seed 001, pitfall 8: different initialization per process.
+    """Different initialization per process.
 
     Why: each rank draws its own random weights; replicas that start apart and average gradients train a
-    model that is none of them (divergence, irreproducible results). That is an error when nothing in the
-    file broadcasts or wraps the model (a hand-written gradient all-reduce, say). DDP broadcasts rank 0's
-    parameters and buffers when it is constructed (so does FSDP1 with ``sync_module_states=True``), so a
-    model wrapped in DDP starts equal anyway: a warning, since the other RNG streams (dropout masks, random
-    augmentation, parameters created later) still differ per rank. FSDP/``fully_shard``/TP keep each
-    rank's own shards (a mix of initializations; replicated parts differ): a warning too. Models whose
-    weights are loaded or explicitly broadcast after being built are not reported; neither are models in a
-    script that never starts a process group.
+    model that is none of them (divergence, irreproducible results). Reported as an error when nothing in
+    the file wraps or broadcasts any model (a hand-written gradient all-reduce, say). Silent when the model
+    reaches a wrapper that makes the start consistent: DDP, FSDP1 with ``sync_module_states``, and the
+    frameworks' wrappers (``deepspeed.initialize``, ``accelerator.prepare``, Fabric's ``setup``, Lightning's
+    ``fit``) broadcast rank 0's parameters; FSDP/``fully_shard`` keep one copy of each shard (each element
+    drawn once, from the same distribution); ``parallelize_module`` scatters rank 0's values into the
+    layers of its plan. A TP plan applied to a model whose class this file defines is checked for
+    coverage: a randomly initialized layer the plan leaves out stays different per rank (a warning).
+    A seed counts only when it is the same on every rank: ``seed = base + rank; manual_seed(seed)`` is
+    traced through the assignments and does not count. Not reported: models loaded or broadcast after
+    being built, models handed to a class or function of another file (``Trainer(model)``), and scripts
+    that never start a process group.
     Fix: ``torch.manual_seed(seed)`` (same seed on all ranks) before the model is built.
     """
     if not m.is_distributed:
@@ -317,36 +399,27 @@ def unseeded_init(m: Module) -> Iterator[Hit]:
     for name, stmt, wrapper, kind in _models(m):
         value = stmt.value
         assert isinstance(value, ast.Call)
-        if _PRETRAINED.search(m.callee(value)) or _overwritten(m, name, stmt) or _seeded_before(m, stmt):
+        if _PRETRAINED.search(m.callee(value)) or _overwritten(m, name, stmt) or seeded_before(m, stmt):
             continue
-        built = f"`{name}` is built before any seed is set"
+        built = f"`{name}` is built before any seed that is the same on every rank"
         if wrapper is None:
+            if _handed_elsewhere(m, name, stmt):
+                continue
             yield Hit(
                 value,
                 f"{built} and is never broadcast or wrapped (no DDP/FSDP in this file): every rank "
                 "starts from its own random weights and the replicas diverge",
             )
-            continue
-        wrapper_name = m.callee(wrapper).rpartition(".")[2]
-        where = f"{wrapper_name} (line {wrapper.lineno})"
-        if kind.startswith("maybe-"):
-            where = f"if it is the model that reaches {where}, that"
-        if kind == "tp":
-            message = (
-                f"{built}; {where} scatters rank 0's values into the layers of its plan (src_data_rank=0), "
-                "but "
-                "parameters outside the plan keep each rank's own random initialization"
-            )
-        elif kind.endswith("broadcast"):
-            message = (
-                f"{built}; {where} broadcasts rank 0's parameters and buffers, so the replicas still start "
-                "equal, but other random state (dropout masks, augmentation, parameters created later) "
-                "differs per rank"
-            )
-        else:
-            message = (
-                f"{built}; {where} keeps each rank's own shards, so the model mixes per-rank "
-                "initializations, and anything replicated (HSDP replicas, parameters outside a TP plan) "
-                "differs across ranks"
-            )
-        yield Hit(value, message, severity="warning")
+        elif kind == "tp":
+            inner = value
+            while isinstance(inner.func, ast.Attribute) and isinstance(inner.func.value, ast.Call):
+                inner = inner.func.value
+            uncovered = _uncovered_layers(m, wrapper, inner)
+            if uncovered:
+                yield Hit(
+                    value,
+                    f"{built}; parallelize_module (line {wrapper.lineno}) scatters rank 0's values into the "
+                    f"layers of its plan, but {', '.join(uncovered)} (outside the plan) keep each rank's own "
+                    "random initialization",
+                    severity="warning",
+                )

@@ -1,7 +1,7 @@
 """Rules about the process group's life: collectives every rank must reach, checkpoint I/O, setup, teardown.
 
-Beyond seed 001's table: deadlocks, unsafe loads, every rank writing one file, a leaked process group, and
-a rendezvous address written over torchrun's.
+Deadlocks, unsafe loads, every rank writing one file, a leaked process group, and a rendezvous address
+written over torchrun's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from .astutil import COLLECTIVES, dotted, identifiers, is_const, kwarg, names_in
 from .engine import Hit, rule
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+# Variables whose presence tells a torchrun launch from a plain `python train.py`.
+_LAUNCHER_VARS = {*_RENDEZVOUS, "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
 # Targets private to the process: in-memory buffers, temporary files.
 _PRIVATE_FILE = re.compile(r"^(?:BytesIO|buffer|buf)$|tempfile|Temporary|mkstemp|mkdtemp")
 
@@ -152,7 +154,7 @@ def _normal(pred: tuple[str, str, str]) -> tuple[str, str, str]:
     "printing/saving under the condition",
 )
 def rank_conditional_collective(m: Module) -> Iterator[Hit]:
-    """Beyond the seed: a collective under a rank condition is a deadlock.
+    """A collective under a rank condition is a deadlock.
 
     Why: a collective completes only when every rank of the group has called it; the ranks that skip it
     move on to the next collective (mismatched, or corrupt data) or exit, and the others wait until the
@@ -238,15 +240,19 @@ def _ops_of_expr(m: Module, expr: ast.AST, functions: dict[str, set[str]]) -> se
     "warning",
     "torch.load without weights_only=True (error when weights_only=False)",
     "torch.load(path, map_location=..., weights_only=True); keep non-tensor state in JSON",
+    tier="hygiene",
 )
 def unsafe_torch_load(m: Module) -> Iterator[Hit]:
-    """Beyond the seed (TorchFix's TOR102 too): ``torch.load`` that may unpickle arbitrary objects.
+    """``torch.load`` that may unpickle arbitrary objects (TorchFix's TOR102 too). Hygiene tier (opt-in).
 
     Why: a pickle runs code when it is loaded; a checkpoint from anywhere else (a shared filesystem, a
     download) can execute anything in every rank. ``weights_only=True`` restricts loading to tensors and
     plain containers. Since torch 2.6 that is the default, so an omitted argument is a warning (the script
     is unsafe on older torch, and the intent is not visible); ``weights_only=False`` is an error.
     A non-literal value (``weights_only=trusted``) is not reported.
+    Opt-in because in training scripts it almost always loads a checkpoint the same script wrote, and on
+    torch >= 2.6 the omitted argument already means ``weights_only=True``: on real scripts it was the most
+    frequent finding and almost never a mistake.
     Fix: ``weights_only=True``.
     """
     for c in m.calls:
@@ -299,7 +305,7 @@ def _per_rank_target(m: Module, target: ast.expr | None) -> bool:
     "(or save sharded state with torch.distributed.checkpoint)",
 )
 def save_on_every_rank(m: Module) -> Iterator[Hit]:
-    """Beyond the seed: every rank writing the same checkpoint file.
+    """Every rank writing the same checkpoint file.
 
     Why: N processes open, truncate and write one path at once: a torn or corrupted file on shared storage,
     N times the I/O, and a reader may see a half-written file. Reported for ``torch.save`` in a distributed
@@ -338,9 +344,11 @@ def save_on_every_rank(m: Module) -> Iterator[Hit]:
     "warning",
     "init_process_group without destroy_process_group",
     "call dist.destroy_process_group() once training is done (in a finally: block so errors clean up too)",
+    tier="hygiene",
 )
 def no_destroy_process_group(m: Module) -> Iterator[Hit]:
-    """Beyond the seed: a process group that is never destroyed.
+    """A process group that is never destroyed. Hygiene tier (opt-in): the process usually exits right
+    after training, which releases everything.
 
     Why: the communicator's threads and sockets outlive the training; NCCL warns at exit that the process
     group was not destroyed, pending work can hang the exit, and a process that inits again fails. Reported
@@ -420,25 +428,37 @@ def _rendezvous_writes(m: Module) -> Iterator[tuple[ast.AST, str]]:
     "use os.environ.setdefault(...) for a default when run without it",
 )
 def hardcoded_rendezvous(m: Module) -> Iterator[Hit]:
-    """Beyond the seed: overwriting the rendezvous address the launcher set.
+    """Overwriting the rendezvous address the launcher set.
 
     Why: under torchrun the workers connect to the agent's store at ``MASTER_ADDR:MASTER_PORT``; a literal
     ``localhost``/``12355`` written over them breaks multi-node runs (every node looks for the master on
-    itself) and collides when two jobs share a host. Not reported: ``os.environ.setdefault`` (keeps the
-    launcher's value), writes under an ``if "MASTER_ADDR" not in os.environ`` test, non-literal values
+    itself) and collides when two jobs share a host. One finding per function (the address and port are one
+    decision). Not reported: ``os.environ.setdefault`` (keeps the launcher's value), writes under a test
+    of the launcher's variables (``if "MASTER_ADDR" not in os.environ``, the ``else:`` of
+    ``if "RANK" in os.environ``: the fallback for a plain ``python train.py``), non-literal values
     (``str(find_free_port())``), and scripts that start their own processes (``mp.spawn``): they must set
     them.
     Fix: let the launcher set them.
     """
     if not _torchrun_script(m):
         return
+    by_scope: dict[ast.AST, list[tuple[ast.AST, str]]] = {}
     for node, key in _rendezvous_writes(m):
+        # `if "MASTER_ADDR" not in os.environ:` / the `else:` of `if "RANK" in os.environ:`: a fallback
         guarded = any(
-            isinstance(a, ast.If) and set(identifiers(a.test)) & set(_RENDEZVOUS) for a in m.ancestors(node)
+            isinstance(a, ast.If | ast.IfExp) and set(identifiers(a.test)) & _LAUNCHER_VARS
+            for a in m.ancestors(node)
         )
         if not guarded:
-            yield Hit(
-                node,
-                f"{key} is set to a literal in a torchrun script: it overrides the address torchrun "
-                "set, so multi-node rendezvous (and two jobs on one host) break",
-            )
+            by_scope.setdefault(m.scope_of(node), []).append((node, key))
+    for writes in by_scope.values():  # MASTER_ADDR and MASTER_PORT together: one decision, one finding
+        keys = " and ".join(sorted({key for _, key in writes}))
+        verb = (
+            "are set to literals in a torchrun script: they override"
+            if " and " in keys
+            else ("is set to a literal in a torchrun script: it overrides")
+        )
+        yield Hit(
+            writes[0][0],
+            f"{keys} {verb} the address torchrun set, so multi-node rendezvous (and two jobs on one host) break",
+        )
