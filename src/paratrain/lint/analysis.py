@@ -261,23 +261,47 @@ class Module:
         return None
 
     def early_exit(self, node: ast.AST) -> ast.If | None:
-        """An earlier ``if <rank test>: return/continue/...`` in a block around ``node``: some ranks leave."""
+        """An earlier ``if <rank test>: return/continue/...`` in a block around ``node``: some ranks leave.
+
+        Each block's first such exit and each statement's index are computed once, so asking this for every
+        node of a file costs time linear in its size.
+        """
         child = node
         for a in self.ancestors(node):
             for block in blocks(a):
-                if child in block:
-                    for stmt in block[: block.index(child)]:
-                        if (
-                            isinstance(stmt, ast.If)
-                            and not stmt.orelse
-                            and exits(stmt.body)
-                            and self.is_rank_test(stmt.test)
-                        ):
-                            return stmt
+                index = self._block_index(block).get(child)
+                if index is not None:
+                    first = self._first_exit(block)
+                    if first is not None and first[0] < index:
+                        return first[1]
             if isinstance(a, SCOPES):
                 return None
             child = a
         return None
+
+    def _block_index(self, block: list[ast.stmt]) -> dict[ast.AST, int]:
+        key = f"index:{id(block)}"
+        if key not in self.memo:
+            self.memo[key] = {stmt: i for i, stmt in enumerate(block)}
+        index: dict[ast.AST, int] = self.memo[key]
+        return index
+
+    def _first_exit(self, block: list[ast.stmt]) -> tuple[int, ast.If] | None:
+        key = f"exit:{id(block)}"
+        if key not in self.memo:
+            self.memo[key] = next(
+                (
+                    (i, stmt)
+                    for i, stmt in enumerate(block)
+                    if isinstance(stmt, ast.If)
+                    and not stmt.orelse
+                    and exits(stmt.body)
+                    and self.is_rank_test(stmt.test)
+                ),
+                None,
+            )
+        found: tuple[int, ast.If] | None = self.memo[key]
+        return found
 
     def rank_guarded(self, node: ast.AST, depth: int = 0) -> bool:
         """Only some ranks reach ``node``: a rank ``if``, an early exit, a rank-zero decorator, or a local

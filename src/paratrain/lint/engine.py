@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import stat
 import tokenize
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -278,10 +279,27 @@ def read_source(path: Path) -> str:
 
 
 def iter_python_files(paths: Sequence[str | Path]) -> Iterator[Path]:
-    """Each named file, and every ``*.py`` under each named directory (sorted; hidden dirs skipped)."""
+    """Each named file, and every ``*.py`` under each named directory (sorted; hidden dirs skipped).
+
+    A named path that is neither a regular file nor a directory (a FIFO, ``/dev/zero``) raises
+    :class:`ConfigError` before anything is read; in a directory, such entries are skipped.
+    """
     missing = [str(p) for p in paths if not Path(p).exists()]
     if missing:
         raise ConfigError(f"no such file or directory: {', '.join(missing)}")
+    for p in paths:  # a FIFO or a device would block or never end: refuse before reading anything
+        mode = Path(p).stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else ("a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            )
+            raise ConfigError(
+                f"{p} is {kind}, not a Python source file: name .py files or directories to lint"
+            )
     seen: set[Path] = set()
     for p in map(Path, paths):
         if p.is_dir():

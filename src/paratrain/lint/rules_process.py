@@ -31,30 +31,53 @@ def _on_subgroup(m: Module, call: ast.Call, op: str) -> bool:
     return group is not None and not is_const(group, None)
 
 
+def _local_callee(call: ast.Call) -> str | None:
+    """The name of a function of this file that ``call`` may call: ``f(...)``, ``self.f(...)``."""
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id
+    if isinstance(f, ast.Attribute) and dotted(f.value) in ("self", "cls"):
+        return f.attr
+    return None
+
+
 def _collective_functions(m: Module) -> dict[str, set[str]]:
-    """Functions of this file that issue collectives (directly or through each other): name -> ops."""
+    """Functions of this file that issue collectives (directly or through each other): name -> ops.
+
+    A worklist over the file's call graph: each function is revisited only when a callee gains an op, so
+    a long chain of helpers costs linear, not quadratic, time.
+    """
+    if "collective_functions" in m.memo:
+        cached: dict[str, set[str]] = m.memo["collective_functions"]
+        return cached
     ops: dict[str, set[str]] = {}
-    changed = True
-    while changed:
-        changed = False
-        for name, calls in m.function_calls.items():
-            found = set(ops.get(name, ()))
-            for c in calls:
-                found |= _ops_of(m, c, ops)
-            if found != ops.get(name, set()):
-                ops[name] = found
-                changed = True
-    return {k: v for k, v in ops.items() if v}
+    callers: dict[str, set[str]] = {}
+    for name, calls in m.function_calls.items():
+        ops[name] = set()
+        for c in calls:
+            op = m.is_dist(c, *COLLECTIVES)
+            if op is not None and not _on_subgroup(m, c, op):
+                ops[name].add(op)
+            elif op is None and (callee := _local_callee(c)) is not None and callee != name:
+                callers.setdefault(callee, set()).add(name)
+    todo = [name for name, found in ops.items() if found]
+    while todo:
+        name = todo.pop()
+        for caller in callers.get(name, ()):
+            if caller in ops and not ops[name] <= ops[caller]:
+                ops[caller] |= ops[name]
+                todo.append(caller)
+    result = {k: v for k, v in ops.items() if v}
+    m.memo["collective_functions"] = result
+    return result
 
 
 def _ops_of(m: Module, call: ast.Call, functions: dict[str, set[str]]) -> set[str]:
     op = m.is_dist(call, *COLLECTIVES)
     if op is not None:
         return set() if _on_subgroup(m, call, op) else {op}
-    f = call.func
-    if isinstance(f, ast.Name) or (isinstance(f, ast.Attribute) and dotted(f.value) in ("self", "cls")):
-        return functions.get(f.id if isinstance(f, ast.Name) else f.attr, set())
-    return set()
+    callee = _local_callee(call)
+    return functions.get(callee, set()) if callee is not None else set()
 
 
 def _branch_ops(m: Module, body: list[ast.stmt], functions: dict[str, set[str]]) -> set[str]:
@@ -202,19 +225,19 @@ def rank_conditional_collective(m: Module) -> Iterator[Hit]:
                         _predicate(exit_if.test, negated=True),  # past the exit: its test was false
                     )
                 )
+    # index the sites by (scope, op, condition): finding a complementary partner is a lookup, not a scan
+    by_key: dict[tuple[int, str, tuple[str, str, str]], list[tuple[ast.Call, ast.AST]]] = {}
+    for c, ops, guard, _, pred in sites:
+        if pred is not None:
+            for op in ops:
+                by_key.setdefault((id(m.scope_of(c)), op, pred), []).append((c, guard))
     for c, ops, guard, where, pred in sites:
         # the "rank 0 first" pattern: the same op under the complementary condition elsewhere in the scope
         # (`if rank != 0: barrier()` ... `if rank == 0: barrier()`); every rank calls it once
-        paired = any(
-            o is not c
-            and oc is not guard
-            and ops & oops
-            and m.scope_of(o) is m.scope_of(c)
-            and oc not in m.ancestors(guard)
-            and guard not in m.ancestors(oc)
-            and pred is not None
-            and opred == _negate(pred)
-            for o, oops, oc, _, opred in sites
+        paired = pred is not None and any(
+            o is not c and oc is not guard and oc not in m.ancestors(guard) and guard not in m.ancestors(oc)
+            for op in ops
+            for o, oc in by_key.get((id(m.scope_of(c)), op, _negate(pred)), [])
         )
         if paired:
             continue
