@@ -142,6 +142,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             args.hang_timeout,
             args.check_desync_every,
             module=args.module,
+            json_summary=args.json,
         )
     try:
         if args.module:
