@@ -936,7 +936,7 @@ def test_cli_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert out[0].startswith(f"{bad}:4:9: data-parallel  nn.DataParallel runs every GPU")
     assert out[1].startswith("    fix: launch one process per GPU")
     assert out[2].startswith(f"{bad}:5:9: unsafe-torch-load  ")
-    assert out[-1] == "Found 2 findings (1 error, 1 warning) in 1 file."
+    assert out[-1] == "Found 2 findings (0 errors, 2 warnings) in 1 file."
     clean = tmp_path / "ok.py"
     clean.write_text(CLEAN)
     assert cli(str(clean)) == 0
@@ -955,7 +955,7 @@ def test_cli_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     payload = json.loads(out)  # exactly one JSON object, nothing else
     assert set(payload) == {"files", "findings"} and payload["files"] == 2
     assert [(f["rule"], f["line"], f["col"], f["severity"]) for f in payload["findings"]] == [
-        ("data-parallel", 4, 9, "error"),
+        ("data-parallel", 4, 9, "warning"),
         ("unsafe-torch-load", 5, 9, "warning"),
     ]
     for f in payload["findings"]:
@@ -992,7 +992,7 @@ def test_cli_list_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli("--list-rules") == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [*RULE_IDS, "syntax-error"]
-    assert lines[0].split()[1:4] == ["PTL001", "default", "error"]
+    assert lines[0].split()[1:4] == ["PTL001", "default", "warning"]
     assert cli("--list-rules", "--json") == 0
     rules = json.loads(capsys.readouterr().out)["rules"]
     assert rules[11] == {

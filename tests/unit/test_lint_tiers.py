@@ -202,3 +202,25 @@ def test_spawned_processes_are_local_ranks() -> None:
         mp.spawn(worker, args=(2,), nprocs=2)
         """)
     assert [f.rule for f in lint_source(spawn)] == []
+
+
+def test_data_parallel_is_waste_not_reported_in_evaluation_or_fallback() -> None:
+    train = "import torch\nfrom torch import nn\nm = nn.DataParallel(nn.Linear(2, 2))\nm(torch.ones(2, 2)).sum().backward()\n"
+    (f,) = lint_source(train)
+    assert (f.rule, f.severity) == ("data-parallel", "warning")  # slow, not wrong
+    evaluation = "import torch\nfrom torch import nn\nm = nn.DataParallel(nn.Linear(2, 2)).eval()\nwith torch.no_grad():\n    m(torch.ones(2, 2))\n"
+    assert lint_source(evaluation) == []
+    fallback = textwrap.dedent("""\
+        import torch
+        from torch import nn
+        model = nn.Linear(2, 2)
+        if args.distributed:
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            model = nn.DataParallel(model)
+        model(torch.ones(2, 2)).sum().backward()
+        """)
+    assert lint_source(fallback) == []
+    two = "import torch\nfrom torch import nn\na = nn.DataParallel(nn.Linear(2, 2))\nb = nn.DataParallel(nn.Linear(2, 2))\na(torch.ones(2, 2)).sum().backward()\n"
+    (f,) = lint_source(two)  # two models, one decision
+    assert f.line == 3 and "(and 1 more here)" in f.message

@@ -62,10 +62,17 @@ def _wrapped_name(m: Module, call: ast.Call) -> str | None:
     return name or root_name(arg)
 
 
+def _evaluation_only(m: Module) -> bool:
+    """The file never calls ``backward()`` and does switch autograd off or the model to eval mode."""
+    if m.calls_to("backward"):
+        return False
+    return bool(m.calls_to("no_grad", "inference_mode", "eval"))
+
+
 @rule(
     "data-parallel",
     "PTL001",
-    "error",
+    "warning",
     "nn.DataParallel used instead of DistributedDataParallel",
     "launch one process per GPU (torchrun) and wrap the model in "
     "torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])",
@@ -74,11 +81,16 @@ def data_parallel(m: Module) -> Iterator[Hit]:
     """``nn.DataParallel`` is one process driving every GPU with threads.
 
     Why: the GIL serializes the Python work, GPU 0 gathers every output and gradient (memory and time
-    imbalance), and the model is re-replicated every forward: 2-3x on 8 GPUs where DDP gets 7-8x.
-    One finding per function. Not reported: the single-process fallback of a script that also has a
-    distributed path (``DataParallel`` under ``if args.distributed: ... else:`` or ``if world_size == 1``).
+    imbalance), and the model is re-replicated every forward: 2-3x on 8 GPUs where DDP gets 7-8x. A
+    warning: the results are right, the GPUs are wasted. One finding per function. Not reported: the
+    single-process fallback of a script that also has a distributed path (``DataParallel`` under
+    ``if args.distributed: ... else:`` or ``if world_size == 1``), and evaluation-only files (no
+    ``backward()``, and ``torch.no_grad()``/``inference_mode()``/``.eval()``), where the gradient
+    gathering that makes it slow does not happen and a single process is a fair choice.
     Fix: one process per GPU under torchrun, and ``DistributedDataParallel``.
     """
+    if _evaluation_only(m):
+        return
     by_scope: dict[ast.AST, list[ast.Call]] = {}
     for c in m.calls:
         if m.is_torch(c, "DataParallel") and not _single_process_branch(m, c):
