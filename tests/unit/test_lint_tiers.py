@@ -152,6 +152,12 @@ VARIANTS: list[tuple[str, str, list[tuple[str, int]]]] = [
         "import gymnasium as gym\nenv = gym.make('X')\nenv.action_space.seed(3)\n",
         [("rank-independent-seed", 3)],
     ),
+    (
+        "an environment held by an object, seeded the same everywhere",
+        "class Runner:\n    def start(self):\n        self.train_env.reset(seed=0)\n",
+        [("rank-independent-seed", 3)],
+    ),
+    ("a method that merely contains env in its name", "developer = object()\ndeveloper.seed(3)\n", []),
     ("env reset without a seed", "import gymnasium as gym\nenv = gym.make('X')\nenv.reset()\n", []),
     (
         "entered context managers and a decorator",

@@ -9,12 +9,12 @@ import re
 from collections.abc import Iterator
 
 from .analysis import Module
-from .astutil import dotted, is_const, kwarg, pos, root_name
+from .astutil import dotted, is_const, kwarg, pos
 from .engine import Hit, rule
 from .rules_model import seeded_before
 from .values import rank_dependent, rank_kind
 
-_ENV = re.compile(r"env", re.IGNORECASE)
+_ENV = re.compile(r"(?:^|_)envs?(?:_|$)|^environments?$", re.IGNORECASE)
 _MAKE_ENV = re.compile(r"^make(?:_vec)?_?env$|^make$", re.IGNORECASE)
 
 
@@ -142,7 +142,8 @@ def _env_seed(m: Module, c: ast.Call) -> ast.expr | None:
     """The seed an environment is given: ``env.reset(seed=s)``, ``env.seed(s)``, ``make_env(..., seed=s)``."""
     f = c.func
     last = m.callee(c).rpartition(".")[2]
-    if isinstance(f, ast.Attribute) and _ENV.search(root_name(f.value) or ""):
+    receiver = dotted(f.value) if isinstance(f, ast.Attribute) else None
+    if receiver is not None and any(_ENV.search(part) for part in receiver.split(".")):
         if last == "reset":
             return kwarg(c, "seed")
         if last == "seed":
@@ -165,8 +166,9 @@ def rank_independent_seed(m: Module) -> Iterator[Hit]:
     Why: in distributed RL each rank collects its own rollouts so that the ranks see different experience;
     with the same environment seed on every rank they collect identical trajectories, and N ranks do the
     work of one while the effective batch looks N times larger. Reported in a distributed script for
-    ``env.reset(seed=s)``, ``env.seed(s)`` and ``make_env(..., seed=s)`` (receivers named like ``env``,
-    ``envs``) when ``s`` does not depend on the rank, directly or through the names it is computed from.
+    ``env.reset(seed=s)``, ``env.seed(s)`` and ``make_env(..., seed=s)`` (a receiver with a part named
+    ``env``/``envs``/``train_env``..., as in ``self.env.reset``) when ``s`` does not depend on the rank,
+    directly or through the names it is computed from.
     A warning: a deterministic environment, or one seeded differently elsewhere, is fine. Not reported:
     ``reset()`` without a seed, and calls under a rank condition. (The model's seed is the opposite case:
     it must be the same everywhere; see ``unseeded-init``.)
