@@ -35,7 +35,8 @@ def test_fifo_and_device_are_refused_with_one_message(
 
 
 def _script(n: int) -> str:
-    """``n`` blocks of rank-conditional collectives (paired, unpaired, after an early exit) and saves."""
+    """``n`` blocks of rank-conditional collectives (paired, unpaired, after an early exit), chains of ``n``
+    helpers (one issuing a collective, one seeding torch) and saves."""
     out = ["import torch", "import torch.distributed as dist", 'dist.init_process_group("gloo")']
     out += ["rank = dist.get_rank()", "t = torch.ones(1)", "", "def step(t):"]
     for i in range(n):
@@ -54,6 +55,9 @@ def _script(n: int) -> str:
         "for k in range(3):",
         "    step(t)",
     ]
+    for i in range(n):  # a chain of helpers, the last of which seeds torch: found through every caller
+        out += [f"def seed{i}():", f"    seed{i + 1}()" if i + 1 < n else "    torch.manual_seed(0)"]
+    out += ["seed0()", "model = torch.nn.Linear(2, 2)"]  # is it seeded? asks for the seeding helpers
     for i in range(n):
         out += [
             f"if rank == {i % 4}:",

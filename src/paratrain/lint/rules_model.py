@@ -157,18 +157,21 @@ def _seed_calls(m: Module) -> list[ast.Call]:
     if "seed_calls" not in m.memo:
         direct = [c for c in m.calls if _seeds_torch(m, c)]
         direct_set = set(direct)
+        # functions that seed, directly or through each other: a worklist over who calls whom (linear)
+        callers: dict[str, set[str]] = {}
         seeding: set[str] = set()
-        changed = True
-        while changed:  # functions that seed, directly or through each other
-            changed = False
-            for name, inner in m.function_calls.items():
-                if name in seeding:
-                    continue
-                if any(
-                    c in direct_set or (isinstance(c.func, ast.Name) and c.func.id in seeding) for c in inner
-                ):
+        for name, inner in m.function_calls.items():
+            for c in inner:
+                if c in direct_set:
                     seeding.add(name)
-                    changed = True
+                elif isinstance(c.func, ast.Name):
+                    callers.setdefault(c.func.id, set()).add(name)
+        todo = list(seeding)
+        while todo:
+            for caller in callers.get(todo.pop(), ()):
+                if caller not in seeding:
+                    seeding.add(caller)
+                    todo.append(caller)
         via = [c for c in m.calls if isinstance(c.func, ast.Name) and c.func.id in seeding]
         m.memo["seed_calls"] = sorted({*direct, *via}, key=pos)
     calls: list[ast.Call] = m.memo["seed_calls"]
