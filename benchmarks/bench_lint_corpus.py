@@ -1,6 +1,7 @@
 """Precision and findings per 1,000 lines of ``paratrain lint`` on its corpus, and its start-up cost.
 
     python benchmarks/bench_lint_corpus.py [--repeats 5] [--out benchmarks/results/lint_corpus.json]
+        [--src DIR --verdicts MANIFEST --label NAME]      # another revision's linter, for a "before" row
 
 The corpus is tests/lint_corpus/ (MANIFEST.toml: every file's source, commit, licence and the verdict on
 each default-tier finding: "real" mistake or "wrong", debatable counted as wrong). For each file the script
@@ -12,8 +13,11 @@ runs the default tier (what ``paratrain lint FILE`` runs) and the opt-in hygiene
 - CPU time to lint each file in-process (median, max), and the CPU time of a whole ``paratrain lint FILE``
   process (interpreter start-up included) on the largest real script, ``--repeats`` times.
 
-Raw results (with the conditions: CPU, load average before the run) go to ``--out`` as JSON; docs/lint.md and
-BENCHMARKS.md quote ranges over the stored runs.
+Raw results (with the conditions: CPU, load average before the run) go to ``--out`` as JSON, one entry per
+run with its ``label`` (``"current"``, or the ``--label`` given); docs/lint.md and BENCHMARKS.md quote them
+(benchmarks/claims.toml). ``--src`` runs the linter of another source tree (``git archive REV src``) on the
+same corpus, with the verdicts of ``--verdicts`` (that revision's manifest); a finding without a verdict
+counts as wrong. An old linter without tiers runs all its rules by default, as its users saw.
 """
 
 from __future__ import annotations
@@ -35,9 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "lint_corpus"
 RESULTS = REPO / "benchmarks" / "results" / "lint_corpus.json"
-sys.path.insert(0, str(REPO / "src"))
-
-from paratrain.lint import lint_paths  # noqa: E402
+HYGIENE = ["unsafe-torch-load", "no-destroy-process-group"]
 
 
 def _cpu_model() -> str:
@@ -50,13 +52,13 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _process_cpu_s(path: Path) -> float:
+def _process_cpu_s(path: Path, src: Path) -> float:
     """CPU seconds (user + system) of one ``paratrain lint FILE`` process, start-up included."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(
         [sys.executable, "-c", "import sys; from paratrain.cli import main; sys.exit(main(sys.argv[1:]))",
          "lint", str(path)],
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        env={**os.environ, "PYTHONPATH": str(src)},
         stdout=subprocess.DEVNULL,
         check=False,
     )  # fmt: skip
@@ -68,16 +70,20 @@ def _precision(verdicts: list[str]) -> float | None:
     return round(verdicts.count("real") / len(verdicts), 4) if verdicts else None
 
 
-def measure(repeats: int) -> dict[str, Any]:
-    manifest = tomllib.loads((CORPUS / "MANIFEST.toml").read_text())["file"]
+def measure(repeats: int, src: Path, verdicts: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(src))
+    from paratrain.lint import lint_paths
+
+    manifest = tomllib.loads(verdicts.read_text())["file"]
     files: list[dict[str, Any]] = []
-    for rel in sorted(manifest):
+    for rel in sorted(p.relative_to(CORPUS).as_posix() for p in CORPUS.rglob("*.py")):
         path = CORPUS / rel
-        expected = {(f["line"], f["rule"]): f["verdict"] for f in manifest[rel]["findings"]}
+        judged = manifest.get(rel, {}).get("findings", [])
+        expected = {(f["line"], f["rule"]): f["verdict"] for f in judged}
         t0 = time.process_time()
         default = lint_paths([path]).findings
         cpu = time.process_time() - t0
-        hygiene = lint_paths([path], select=["hygiene"]).findings
+        hygiene = lint_paths([path], select=HYGIENE).findings
         files.append(
             {
                 "path": rel,
@@ -100,7 +106,7 @@ def measure(repeats: int) -> dict[str, Any]:
         for x in f["default"]:
             per_rule.setdefault(x["rule"], []).append(x["verdict"])
     largest = max(real, key=lambda f: f["lines"])
-    process = [_process_cpu_s(CORPUS / largest["path"]) for _ in range(repeats)]
+    process = [_process_cpu_s(CORPUS / largest["path"], src) for _ in range(repeats)]
     cpu = [f["lint_cpu_s"] for f in files]
     return {
         "files": len(files),
@@ -132,10 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=RESULTS, help=f"JSON file to append the run to (default {RESULTS})"
     )
+    p.add_argument("--src", type=Path, default=REPO / "src", help="the source tree whose paratrain.lint runs")
+    p.add_argument(
+        "--verdicts", type=Path, default=CORPUS / "MANIFEST.toml", help="the manifest holding the verdicts"
+    )
+    p.add_argument("--label", default="current", help='the run\'s label in the JSON (default "current")')
     args = p.parse_args(argv)
     load = os.getloadavg()
-    result = measure(args.repeats)
+    result = measure(args.repeats, args.src.resolve(), args.verdicts)
     run = {
+        "label": args.label,
         "when_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "conditions": {
             "cpu": _cpu_model(),
