@@ -1,7 +1,7 @@
 """The closing line of a guarded run that found nothing: what the guard checked, so that a clean guarded
 run does not look like an unguarded one.
 
-    paratrain guard: checked 2 of 2 ranks: 58 collectives recorded (29 on rank 0), 0 mismatches, no hang;
+    paratrain guard: checked 2 of 2 ranks: 8 collectives recorded (4 on rank 0), 0 mismatches, no hang;
     6 desync checks (replicas equal); 0 warnings
 
 Pure functions over the ranks' records (:class:`~paratrain.diagnose.guard.record.RankView`); the launcher
