@@ -4,8 +4,8 @@
     ctx = paratrain.init()                                   # reads the torchrun environment
     model, optimizer, strategy = paratrain.setup(model, optimizer, strategy="ddp", ctx=ctx)
 
-The names below are imported on first use, so ``paratrain.plan`` and ``paratrain.spec`` (pure numbers)
-does not pay for importing torch.
+The names below are imported on first use, so ``paratrain.plan``, ``paratrain.spec`` (pure numbers) and
+``paratrain.lint`` (pure source analysis) do not pay for importing torch.
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             args.hang_timeout,
             args.check_desync_every,
             module=args.module,
+            json_summary=args.json,
         )
     try:
         if args.module:
@@ -206,7 +207,7 @@ def _launch(p: argparse.ArgumentParser) -> None:
 
 
 def _lint(p: argparse.ArgumentParser) -> None:
-    from paratrain.diagnose.lint import cli as lint_cli
+    from paratrain.lint import cli as lint_cli
 
     lint_cli.add_arguments(p)
     p.set_defaults(func=lint_cli.run)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.diagnose.lint import RULES, lint_paths, lint_source
-from paratrain.diagnose.lint.cli import add_arguments, run
-from paratrain.diagnose.lint.flake8 import ParatrainChecker
+from paratrain.lint import RULES, lint_paths, lint_source
+from paratrain.lint.cli import add_arguments, run
+from paratrain.lint.flake8 import ParatrainChecker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,13 @@ RULE_IDS = [
     "no-destroy-process-group",
     "hardcoded-rendezvous",
     "unreduced-metric",
+    "unseeded-split",
+    "global-rank-as-device",
+    "rank-independent-seed",
+    "context-manager-not-entered",
+    "local-rank-as-rank",
 ]
+HYGIENE = {"unsafe-torch-load", "no-destroy-process-group"}
 
 # A torchrun script's opening: process group, LOCAL_RANK device, same seed everywhere.
 HEAD = """\
@@ -69,7 +75,8 @@ def script(body: str) -> str:
 
 
 def found(text: str) -> list[tuple[str, int]]:
-    return [(f.rule, f.line) for f in lint_source(text, "train.py")]
+    """Findings of every rule, the opt-in hygiene tier included (each rule is tested on its own)."""
+    return [(f.rule, f.line) for f in lint_source(text, "train.py", select=["ALL"])]
 
 
 # (rule, failing source, line of the finding, passing source: the same code, corrected)
@@ -279,20 +286,24 @@ CASES: list[tuple[str, str, int, str]] = [
         "unreduced-metric",
         script("""\
             model = DDP(nn.Linear(10, 2).to(device), device_ids=[local_rank])
+            sampler = DistributedSampler(TensorDataset(torch.randn(8, 10)), shuffle=False)
             correct = total = 0
-            for x, y in [(torch.randn(4, 10, device=device), torch.zeros(4, device=device))]:
-                correct += (model(x).argmax(1) == y).sum().item()
-                total += y.numel()
+            with torch.no_grad():
+                for x, y in [(torch.randn(4, 10, device=device), torch.zeros(4, device=device))]:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += y.numel()
             if rank == 0:
                 print(f"accuracy {correct / total:.2%}")
             """),
-        HEAD_LINES + 7,
+        HEAD_LINES + 9,
         script("""\
             model = DDP(nn.Linear(10, 2).to(device), device_ids=[local_rank])
+            sampler = DistributedSampler(TensorDataset(torch.randn(8, 10)), shuffle=False)
             correct = total = 0
-            for x, y in [(torch.randn(4, 10, device=device), torch.zeros(4, device=device))]:
-                correct += (model(x).argmax(1) == y).sum().item()
-                total += y.numel()
+            with torch.no_grad():
+                for x, y in [(torch.randn(4, 10, device=device), torch.zeros(4, device=device))]:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += y.numel()
             counts = torch.tensor([correct, total], device=device)
             dist.all_reduce(counts)
             correct, total = counts.tolist()
@@ -300,12 +311,72 @@ CASES: list[tuple[str, str, int, str]] = [
                 print(f"accuracy {correct / total:.2%}")
             """),
     ),
+    (
+        "unseeded-split",
+        HEAD.replace("torch.manual_seed(0)\n", "")
+        + "from torch.utils.data import random_split\n"
+        + "train, test = random_split(TensorDataset(torch.randn(10, 2)), [8, 2])\n"
+        + TAIL,
+        HEAD_LINES + 1,
+        HEAD.replace("torch.manual_seed(0)\n", "")
+        + "from torch.utils.data import random_split\n"
+        + "train, test = random_split(TensorDataset(torch.randn(10, 2)), [8, 2], "
+        + "generator=torch.Generator().manual_seed(0))\n"
+        + TAIL,
+    ),
+    (
+        "global-rank-as-device",
+        script("""\
+            model = DDP(nn.Linear(4, 4).to(rank), device_ids=[rank])
+            """),
+        HEAD_LINES + 1,
+        script("""\
+            model = DDP(nn.Linear(4, 4).to(local_rank), device_ids=[local_rank])
+            """),
+    ),
+    (
+        "rank-independent-seed",
+        script("""\
+            import gymnasium as gym
+            env = gym.make("CartPole-v1")
+            obs, _ = env.reset(seed=0)
+            """),
+        HEAD_LINES + 3,
+        script("""\
+            import gymnasium as gym
+            env = gym.make("CartPole-v1")
+            obs, _ = env.reset(seed=rank)
+            """),
+    ),
+    (
+        "context-manager-not-entered",
+        script("""\
+            model = DDP(nn.Linear(4, 4).to(device), device_ids=[local_rank])
+            model.no_sync()
+            model(torch.randn(2, 4, device=device)).sum().backward()
+            """),
+        HEAD_LINES + 2,
+        script("""\
+            model = DDP(nn.Linear(4, 4).to(device), device_ids=[local_rank])
+            with model.no_sync():
+                model(torch.randn(2, 4, device=device)).sum().backward()
+            """),
+    ),
+    (
+        "local-rank-as-rank",
+        'import os\n\nimport torch.distributed as dist\n\nlocal_rank = int(os.environ["LOCAL_RANK"])\n'
+        'dist.init_process_group("nccl", rank=local_rank, world_size=16)\ndist.destroy_process_group()\n',
+        6,
+        'import os\n\nimport torch.distributed as dist\n\nlocal_rank = int(os.environ["LOCAL_RANK"])\n'
+        'dist.init_process_group("nccl")\ndist.destroy_process_group()\n',
+    ),
 ]
 
 
 def test_rule_ids_are_the_contract() -> None:
     assert list(RULES) == RULE_IDS
-    assert [r.code for r in RULES.values()] == [f"PTL{i:03d}" for i in range(1, 17)]
+    assert [r.code for r in RULES.values()] == [f"PTL{i:03d}" for i in range(1, 22)]
+    assert {r.id for r in RULES.values() if r.tier == "hygiene"} == HYGIENE
     assert [c[0] for c in CASES] == RULE_IDS  # one failing and one passing case per rule
     for r in RULES.values():
         assert r.severity in ("error", "warning") and r.summary and r.fix
@@ -359,10 +430,12 @@ VARIANTS: dict[str, str] = {
         fully_shard(model)  # <- ddp-before-device
         model.to(device)
         """),
-    "unseeded: sharded by fully_shard": HEAD.replace("torch.manual_seed(0)\n", "")
+    "unseeded: sharded by fully_shard is silent (one copy of each shard)": HEAD.replace(
+        "torch.manual_seed(0)\n", ""
+    )
     + textwrap.dedent("""\
         from torch.distributed.fsdp import fully_shard
-        model = nn.Linear(10, 10).to(device)  # <- unseeded-init
+        model = nn.Linear(10, 10).to(device)
         fully_shard(model)
         """)
     + TAIL,
@@ -416,7 +489,6 @@ VARIANTS: dict[str, str] = {
         import paratrain
         ctx = paratrain.init(seed=None)
         model = torch.nn.Linear(4, 4)  # <- unseeded-init
-        model, optimizer, strategy = paratrain.setup(model, None, strategy="zero3", ctx=ctx)
         """),
     "no sampler at all": script("""\
         dataset = TensorDataset(torch.randn(64, 10))
@@ -630,7 +702,7 @@ VARIANTS: dict[str, str] = {
             os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(29500 + int(os.environ["LOCAL_RANK"]) // 8)
         os.environ.update({"MASTER_ADDR": "10.0.0.1"})  # <- hardcoded-rendezvous
-        os.environ.update(MASTER_PORT="1234")  # <- hardcoded-rendezvous
+        os.environ.update(MASTER_PORT="1234")  # the same decision: reported once, above
         dist.init_process_group("nccl")
         dist.destroy_process_group()
         """),
@@ -646,13 +718,14 @@ VARIANTS: dict[str, str] = {
         if rank == 0:
             print(correct)
         """),
-    "a local running loss logged on rank 0 only": script("""\
+    "a running training loss logged on rank 0 is progress logging, not reported": script("""\
+        sampler = DistributedSampler(TensorDataset(torch.randn(8, 10)))
         running_loss = 0.0
         for step in range(10):
             loss = torch.rand(())
             running_loss += loss.item()
             if rank == 0 and step % 5 == 4:
-                print(f"loss {running_loss / 5:.3f}")  # <- unreduced-metric
+                print(f"loss {running_loss / 5:.3f}")
                 running_loss = 0.0
         """),
     "a rank under another name (self.gpu_id = LOCAL_RANK) guards a save": script("""\
@@ -740,25 +813,53 @@ def test_variant(name: str) -> None:
     assert sorted(found(text)) == marked(text)
 
 
-def test_severity_follows_what_the_wrapper_does() -> None:
+def test_unseeded_init_follows_what_the_wrapper_does() -> None:
     no_seed = HEAD.replace("torch.manual_seed(0)\n", "")
+    # DDP broadcasts rank 0's parameters at construction: the replicas start equal, nothing to report
     ddp = no_seed + "model = nn.Linear(4, 4).to(device)\nmodel = DDP(model, device_ids=[local_rank])\n" + TAIL
-    (f,) = lint_source(ddp, "train.py")
-    assert (f.rule, f.severity) == ("unseeded-init", "warning")
-    assert "broadcasts rank 0's parameters" in f.message and "dropout" in f.message
+    assert lint_source(ddp, "train.py") == []
     alone = no_seed + "model = nn.Linear(4, 4).to(device)\n" + TAIL
     (f,) = lint_source(alone, "train.py")
     assert (f.rule, f.severity) == ("unseeded-init", "error")  # nothing broadcasts or wraps it
     assert "never broadcast or wrapped" in f.message
+    # handed to a trainer of another file, which may wrap it: the file cannot tell
+    assert (
+        lint_source(no_seed + "from mylib import Trainer\nmodel = nn.Linear(4, 4)\nTrainer(model)\n" + TAIL)
+        == []
+    )
     sharded = (
         no_seed
         + "from torch.distributed.fsdp import fully_shard\nmodel = nn.Linear(4, 4)\nfully_shard(model)\n"
     )
-    (f,) = lint_source(sharded + TAIL, "train.py")
-    assert (f.rule, f.severity) == ("unseeded-init", "warning") and "own shards" in f.message
-    (f,) = lint_source("import torch\nx = torch.load('a.pt')\n", "a.py")
+    assert lint_source(sharded + TAIL, "train.py") == []  # one copy of each shard: no two replicas disagree
+    tp = no_seed + textwrap.dedent("""\
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+
+        class Toy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(4, 4)
+                self.head = nn.Linear(4, 2)
+
+
+        model = Toy()
+        parallelize_module(model, mesh, {"proj": ColwiseParallel()})
+        """)
+    (f,) = lint_source(tp + TAIL, "train.py")
+    assert (f.rule, f.severity) == ("unseeded-init", "warning") and "head (outside the plan)" in f.message
+    covered = tp.replace(
+        '{"proj": ColwiseParallel()}', '{"proj": ColwiseParallel(), "head": ColwiseParallel()}'
+    )
+    assert lint_source(covered + TAIL, "train.py") == []
+    # a seed that differs per rank is no seed for the model, even through a variable
+    per_rank = HEAD.replace(
+        "torch.manual_seed(0)\n", "seed = 7\nseed = seed + rank\ntorch.manual_seed(seed)\n"
+    )
+    assert [f.rule for f in lint_source(per_rank + "model = nn.Linear(4, 4)\n" + TAIL)] == ["unseeded-init"]
+    (f,) = lint_source("import torch\nx = torch.load('a.pt')\n", "a.py", select=["unsafe-torch-load"])
     assert (f.rule, f.severity, f.line, f.col) == ("unsafe-torch-load", "warning", 2, 5)
-    (f,) = lint_source("import torch\nx = torch.load('a.pt', weights_only=False)\n", "a.py")
+    (f,) = lint_source("import torch\nx = torch.load('a.pt', weights_only=False)\n", "a.py", select=["ALL"])
     assert f.severity == "error"
 
 
@@ -780,9 +881,16 @@ def test_ignore_comments() -> None:
 
 def test_select_and_ignore() -> None:
     text = "import torch\nfrom torch import nn\nm = nn.DataParallel(nn.Linear(2, 2))\nx = torch.load('a')\n"
-    assert {f.rule for f in lint_source(text)} == {"data-parallel", "unsafe-torch-load"}
+    assert {f.rule for f in lint_source(text)} == {"data-parallel"}  # unsafe-torch-load is opt-in (hygiene)
+    both = {"data-parallel", "unsafe-torch-load"}
+    assert {f.rule for f in lint_source(text, extend_select=["hygiene"])} == both
+    assert {f.rule for f in lint_source(text, select=["ALL"])} == both
+    assert {f.rule for f in lint_source(text, extend_select=["PTL012"])} == both
     assert [f.rule for f in lint_source(text, select={"data-parallel"})] == ["data-parallel"]
-    assert [f.rule for f in lint_source(text, ignore={"data-parallel"})] == ["unsafe-torch-load"]
+    assert [f.rule for f in lint_source(text, select=["hygiene"])] == ["unsafe-torch-load"]
+    assert [f.rule for f in lint_source(text, select=["ALL"], ignore={"data-parallel"})] == [
+        "unsafe-torch-load"
+    ]
 
 
 # -- syntax errors -----------------------------------------------------------------------------------------
@@ -823,12 +931,12 @@ def cli(*argv: str) -> int:
 def test_cli_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "train.py"
     bad.write_text(BAD)
-    assert cli(str(bad)) == 1
+    assert cli("--extend-select", "hygiene", str(bad)) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{bad}:4:9: data-parallel  nn.DataParallel runs every GPU")
     assert out[1].startswith("    fix: launch one process per GPU")
     assert out[2].startswith(f"{bad}:5:9: unsafe-torch-load  ")
-    assert out[-1] == "Found 2 findings (1 error, 1 warning) in 1 file."
+    assert out[-1] == "Found 2 findings (0 errors, 2 warnings) in 1 file."
     clean = tmp_path / "ok.py"
     clean.write_text(CLEAN)
     assert cli(str(clean)) == 0
@@ -842,12 +950,12 @@ def test_cli_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (tmp_path / "pkg" / "notes.txt").write_text(BAD)  # not *.py: skipped in a directory
     (tmp_path / "pkg" / ".hidden").mkdir()
     (tmp_path / "pkg" / ".hidden" / "x.py").write_text(BAD)  # hidden directories are skipped
-    assert cli("--json", str(tmp_path / "pkg")) == 1
+    assert cli("--json", "--extend-select", "hygiene", str(tmp_path / "pkg")) == 1
     out = capsys.readouterr().out
     payload = json.loads(out)  # exactly one JSON object, nothing else
     assert set(payload) == {"files", "findings"} and payload["files"] == 2
     assert [(f["rule"], f["line"], f["col"], f["severity"]) for f in payload["findings"]] == [
-        ("data-parallel", 4, 9, "error"),
+        ("data-parallel", 4, 9, "warning"),
         ("unsafe-torch-load", 5, 9, "warning"),
     ]
     for f in payload["findings"]:
@@ -884,12 +992,13 @@ def test_cli_list_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli("--list-rules") == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [*RULE_IDS, "syntax-error"]
-    assert lines[0].split()[1:3] == ["PTL001", "error"]
+    assert lines[0].split()[1:4] == ["PTL001", "default", "warning"]
     assert cli("--list-rules", "--json") == 0
     rules = json.loads(capsys.readouterr().out)["rules"]
     assert rules[11] == {
         "id": "unsafe-torch-load",
         "code": "PTL012",
+        "tier": "hygiene",
         "severity": "warning",
         "summary": RULES["unsafe-torch-load"].summary,
     }
@@ -899,7 +1008,7 @@ def test_python_dash_m_subprocess(tmp_path: Path) -> None:
     bad = tmp_path / "train.py"
     bad.write_text(BAD)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "paratrain.diagnose.lint"]
+    cmd = [sys.executable, "-m", "paratrain.lint"]
     done = subprocess.run([*cmd, "--json", str(bad)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["files"] == 1
@@ -907,9 +1016,7 @@ def test_python_dash_m_subprocess(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no such file or directory" in done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
     # pure source analysis: linting imports no torch
-    probe = (
-        "import sys, paratrain.diagnose.lint as l; l.lint_paths([sys.argv[1]]); print('torch' in sys.modules)"
-    )
+    probe = "import sys, paratrain.lint as l; l.lint_paths([sys.argv[1]]); print('torch' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, env=env, timeout=60
     )
@@ -919,17 +1026,19 @@ def test_python_dash_m_subprocess(tmp_path: Path) -> None:
 # -- the flake8 plugin ----------------------------------------------------------------------------------------
 
 
-def test_flake8_plugin_class() -> None:
+def test_flake8_plugin_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no pyproject.toml above: the default tier
     text = BAD + "ok = torch.load('y.pt')  # paratrain: ignore[unsafe-torch-load]\n"
     checker = ParatrainChecker(ast.parse(text), "train.py", text.splitlines(keepends=True))
     results = list(checker.run())
-    assert [(line, col, msg.split()[0]) for line, col, msg, _ in results] == [
-        (4, 8, "PTL001"),
-        (5, 8, "PTL012"),
-    ]
+    assert [(line, col, msg.split()[0]) for line, col, msg, _ in results] == [(4, 8, "PTL001")]
     assert all(kind is ParatrainChecker for *_, kind in results)
     assert results[0][2].endswith("[data-parallel]")
     assert ParatrainChecker.name == "paratrain-lint" and ParatrainChecker.version
+    # [tool.paratrain.lint] applies to the plugin as to the CLI: the hygiene tier on demand
+    (tmp_path / "pyproject.toml").write_text('[tool.paratrain.lint]\nextend-select = ["hygiene"]\n')
+    results = list(ParatrainChecker(ast.parse(text), "train.py", text.splitlines(keepends=True)).run())
+    assert [(line, msg.split()[0]) for line, _, msg, _ in results] == [(4, "PTL001"), (5, "PTL012")]
     # without `lines` (flake8 always passes them) it reads the file itself; a missing file still works
     assert len(list(ParatrainChecker(ast.parse(BAD), "/nonexistent/train.py").run())) == 2
 

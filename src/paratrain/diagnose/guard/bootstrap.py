@@ -64,6 +64,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, str, bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     opts, target, is_module, script_args = parse(list(sys.argv[1:] if argv is None else argv))
+    from paratrain.diagnose.guard import checks
     from paratrain.diagnose.guard.desync import GuardError
     from paratrain.diagnose.guard.hooks import Guard
     from paratrain.diagnose.guard.record import EXITED, FAILED
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         guard.compare_inputs()  # a script without optimizer steps
+        guard.writer.set_counts(guard.desync_checks, checks.warned)
         guard.writer.finish(state)
 
 

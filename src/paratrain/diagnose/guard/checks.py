@@ -39,6 +39,8 @@ FIXES = {
 }
 
 _said: set[str] = set()
+warned = 0
+"""Warnings this process printed (the closing summary adds them up over the ranks)."""
 
 
 def once(key: str) -> bool:
@@ -60,9 +62,11 @@ def warn(rule: str, rank: int, message: str) -> None:
     """``paratrain guard: warning [rule] rank R: message. Fix: ...``, once per rule per job."""
     if not once(f"warn/{rule}"):
         return
+    global warned
     line = f"paratrain guard: warning [{rule}] rank {rank}: {message}. Fix: {FIXES[rule]}\n"
     sys.stderr.write(line)
     sys.stderr.flush()
+    warned += 1
 
 
 def _rank() -> int:

@@ -57,6 +57,8 @@ class Guard:
         self._checked: set[int] = set()
         self._optimizer: weakref.ref[Any] | None = None
         self.steps = 0
+        self.desync_checks = 0
+        """Replica comparisons made (each one compares every parameter and buffer across the ranks)."""
         self.inputs_pending = False
         """Rank 0: a first forward happened and the ranks' inputs are still to be compared."""
         self.last_ok: int | None = None
@@ -261,6 +263,7 @@ class Guard:
                     dtype, shape = str(p.dtype).removeprefix("torch."), ",".join(map(str, p.shape))
                     named.append((f"parameter param_groups[{g}][{i}] ({dtype}[{shape}])", p))
         desync.compare(named, self.steps, None, self.last_ok, unrecorded=unrecorded)
+        self.desync_checks += 1
         self.last_ok = self.steps
 
     # -- reporting ------------------------------------------------------------------------------------------

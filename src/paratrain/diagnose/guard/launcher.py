@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from paratrain.diagnose.guard.analysis import Finding, after_failure, find_problem
 from paratrain.diagnose.guard.bootstrap import DEFAULT_DESYNC_EVERY, DEFAULT_HANG_TIMEOUT
 from paratrain.diagnose.guard.record import RankView, read_file
+from paratrain.diagnose.guard.summary import summarize, summary_json, summary_line
 from paratrain.errors import ConfigError
 
 BOOTSTRAP = "paratrain.diagnose.guard.bootstrap"
@@ -48,6 +49,12 @@ def add_guard_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"with --guard: stop the job when a rank waits in a collective and no rank progressed for S "
         f"seconds (default {DEFAULT_HANG_TIMEOUT:.0f})",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='with --guard: end with one JSON object on stdout, {"guard": {"collectives": ...}}, instead of '
+        "the closing summary line on stderr",
     )
     g.add_argument(
         "--check-desync-every",
@@ -206,11 +213,14 @@ def launch_guarded(
     hang_timeout: float = DEFAULT_HANG_TIMEOUT,
     desync_every: int = DEFAULT_DESYNC_EVERY,
     module: bool = False,
+    json_summary: bool = False,
 ) -> int:
     """``paratrain launch --guard``: run ``script`` on every local rank under the guard; the exit status.
 
-    Prints a guard finding (or the launcher's failure paragraph) to stderr. Raises :class:`ConfigError`
-    for a bad input, before anything starts.
+    Prints a guard finding (or the launcher's failure paragraph) to stderr. A job that ends well ends with
+    one line naming what was checked (:mod:`summary`), printed by the launcher that sees rank 0's record;
+    with ``json_summary``, one JSON object on stdout instead. Raises :class:`ConfigError` for a bad input,
+    before anything starts.
     """
     from paratrain.launch import LaunchError, run_module
 
@@ -236,6 +246,15 @@ def launch_guarded(
                 print(f"paratrain launch: {failed}", file=sys.stderr)
             return 1
         # a mismatch found after a job that ended "well": some collective computed with the wrong data
-        return 1 if monitor.finding is not None and not monitor.stopped else 0
+        if monitor.finding is not None and not monitor.stopped:
+            return 1
+        views = monitor.read()
+        if 0 in views:  # the node that ran rank 0 says what was checked; the others stay quiet
+            s = summarize(views)
+            if json_summary:
+                print(summary_json(s), flush=True)
+            else:
+                print(summary_line(s), file=sys.stderr, flush=True)
+        return 0
     finally:
         shutil.rmtree(guard_dir, ignore_errors=True)

@@ -42,10 +42,13 @@ _WHERE_AT = 68
 _ENTRY = struct.Struct("<qqIIIdid192s")
 _ENTRY_SIZE = 256
 _EXIT = struct.Struct("<id")  # flags, t_exit
+# what the worker checked, written when it ends: desync checks made, guard warnings printed
+_COUNTS = struct.Struct("<ii")
+_COUNTS_AT = 236
 _EXIT_AT = 36
 SEP = "\x1f"  # between the op text, the call site and the group in ``text``
 
-assert _HEAD.size <= _HEAD_SIZE and _ENTRY.size <= _ENTRY_SIZE
+assert _HEAD.size <= _COUNTS_AT and _COUNTS_AT + _COUNTS.size <= _HEAD_SIZE and _ENTRY.size <= _ENTRY_SIZE
 
 
 @dataclass
@@ -92,6 +95,12 @@ class RankView:
     t_where: float
     entries: list[Entry] = field(default_factory=list)
     """Oldest first."""
+    total: int = 0
+    """Collectives this rank recorded (all of them, not only the ``entries`` kept in the ring)."""
+    desync_checks: int = 0
+    """Replica comparisons this rank took part in (written when the worker ends)."""
+    warnings: int = 0
+    """Guard warnings this rank printed (each is printed by one rank per job; written when it ends)."""
 
     @property
     def current(self) -> Entry | None:
@@ -165,6 +174,10 @@ class RecordWriter:
             struct.pack_into("<q", self._buf, _STEP_AT, step)
         self._hot(time.time())
 
+    def set_counts(self, desync_checks: int, warnings: int) -> None:
+        """What the worker checked, for the launcher's closing summary."""
+        _COUNTS.pack_into(self._buf, _COUNTS_AT, desync_checks, warnings)
+
     def finish(self, state: int) -> None:
         self.state = state
         self._hot(time.time())
@@ -195,9 +208,10 @@ def parse(buf: bytes) -> RankView | None:
     """Decode a record file or a store snapshot; ``None`` when it is not (yet) a record."""
     if len(buf) < _HEAD_SIZE or buf[:8] != MAGIC:
         return None
-    _, pid, rank, world, nslots, _total, state, step, progress, t_change, t_where, where = _HEAD.unpack_from(
-        buf
+    _, pid, rank, world, nslots, recorded, state, step, progress, t_change, t_where, where = (
+        _HEAD.unpack_from(buf)
     )
+    desync_checks, warnings = _COUNTS.unpack_from(buf, _COUNTS_AT)
     entries = []
     for i in range(min(nslots, (len(buf) - _HEAD_SIZE) // _ENTRY_SIZE)):
         total, seq, gkey, sig, chain, t_enter, flags, t_exit, raw = _ENTRY.unpack_from(
@@ -210,7 +224,21 @@ def parse(buf: bytes) -> RankView | None:
         entries.append(Entry(total, seq, gkey, sig, chain, flags, t_enter, t_exit, op, site, group))
     entries.sort(key=lambda e: e.total)
     text = where.rstrip(b"\0").decode("utf-8", "replace")
-    return RankView(rank, pid, world, state, step, progress, t_change, text, t_where, entries)
+    return RankView(
+        rank,
+        pid,
+        world,
+        state,
+        step,
+        progress,
+        t_change,
+        text,
+        t_where,
+        entries,
+        recorded,
+        desync_checks,
+        warnings,
+    )
 
 
 def read_file(path: str, tries: int = 5) -> RankView | None:

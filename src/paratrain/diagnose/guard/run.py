@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch = LaunchConfig(nproc_per_node=args.nproc_per_node)
         return launch_guarded(
-            args.script, args.script_args, launch, args.hang_timeout, args.check_desync_every, args.module
+            args.script,
+            args.script_args,
+            launch,
+            args.hang_timeout,
+            args.check_desync_every,
+            args.module,
+            json_summary=args.json,
         )
     except ConfigError as e:
         print(f"paratrain guard: {e}", file=sys.stderr)
