@@ -17,17 +17,15 @@ import re
 import stat
 import tokenize
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from paratrain.errors import ConfigError, suggest
 
 from .analysis import Module
+from .registry import RULES, Rule, Severity
 
-Severity = Literal["error", "warning"]
-Tier = Literal["default", "hygiene"]
 # Group names accepted wherever rule ids are (``--select``, ``--extend-select``, ``--ignore``, pyproject).
 GROUPS: tuple[str, ...] = ("default", "hygiene", "ALL")
 
@@ -36,32 +34,6 @@ SYNTAX_ERROR_CODE = "PTL000"
 
 # Directory names never descended into when a directory is linted (explicitly named files always are).
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "venv"})
-
-
-@dataclass(frozen=True)
-class Hit:
-    """What a rule function yields: where, what is wrong, and optionally a severity or fix of its own."""
-
-    node: ast.AST
-    message: str
-    severity: Severity | None = None
-    fix: str | None = None
-
-
-Check = Callable[[Module], Iterable[Hit]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One registered rule. ``id`` and ``code`` are a contract (CLI, JSON, ignore comments, flake8)."""
-
-    id: str
-    code: str
-    severity: Severity
-    summary: str
-    fix: str
-    check: Check = field(repr=False, compare=False)
-    tier: Tier = "default"
 
 
 @dataclass(frozen=True)
@@ -98,28 +70,6 @@ class LintReport:
     def to_dict(self) -> dict[str, object]:
         """The ``--json`` contract: ``{"files": N, "findings": [{path, line, col, rule, ...}]}``."""
         return {"files": self.files, "findings": [f.to_dict() for f in self.findings]}
-
-
-# Filled by the @rule decorator when the rule modules are imported (see load_rules).
-RULES: dict[str, Rule] = {}
-
-
-def rule(
-    rule_id: str, code: str, severity: Severity, summary: str, fix: str, tier: Tier = "default"
-) -> Callable[[Check], Check]:
-    """Register ``check`` as the rule ``rule_id`` (flake8 code ``code``) with its default severity and fix.
-
-    ``tier="default"`` rules run unless deselected: their findings are mistakes. ``tier="hygiene"`` rules
-    (good practice whose absence is rarely a bug) run only when selected by id or with the ``hygiene`` group.
-    """
-
-    def register(check: Check) -> Check:
-        if rule_id in RULES or any(r.code == code for r in RULES.values()):
-            raise RuntimeError(f"lint rule {rule_id} ({code}) registered twice")
-        RULES[rule_id] = Rule(rule_id, code, severity, summary, fix, check, tier)
-        return check
-
-    return register
 
 
 def load_rules() -> dict[str, Rule]:

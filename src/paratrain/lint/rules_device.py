@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from .analysis import Module
 from .astutil import dotted, identifiers, is_const, is_device_move, kwarg, names_in, pos, root_name
-from .engine import Hit, rule
+from .registry import Hit, rule
 
 _DEVICE_WORD = re.compile(r"device|cuda|(?:^|_)rank$|^dev$", re.IGNORECASE)
 _COPIES = ("deepcopy", "copy", "clone")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from .analysis import Module
 from .astutil import REDUCING, dotted, identifiers, is_const, kwarg, names_in, pos, root_name
-from .engine import Hit, rule
+from .registry import Hit, rule
 from .rules_model import framework_wrappers, imports_from
 
 _ITERATORS = frozenset({"iter", "enumerate", "tqdm", "zip", "islice", "cycle", "chain", "next", "list"})

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from .analysis import Module
 from .astutil import dotted, identifiers, is_const, kwarg, pos
-from .engine import Hit, rule
+from .registry import Hit, rule
 from .values import bound_values, rank_dependent
 
 _BATCHNORMS = (

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from .analysis import Module
 from .astutil import COLLECTIVES, dotted, identifiers, is_const, kwarg, names_in
-from .engine import Hit, rule
+from .registry import Hit, rule
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
 # Variables whose presence tells a torchrun launch from a plain `python train.py`.

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from .analysis import Module
 from .astutil import dotted, is_const, kwarg, pos
-from .engine import Hit, rule
+from .registry import Hit, rule
 from .rules_model import seeded_before
 from .values import rank_dependent, rank_kind
 
