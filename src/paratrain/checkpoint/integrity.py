@@ -18,7 +18,7 @@ DCP's save returns, and writes them into ``commit.json`` before the rename that 
 
 Algorithm (:func:`default_algorithm`): XXH3-128 from the ``xxhash`` package when it is installed, else
 CRC-32 (``zlib.crc32``, standard library). Both detect corruption; neither authenticates (whoever can
-rewrite a shard can rewrite ``commit.json``). On the reference 2-core VM one save of 120 MiB cost 0.155 s
+rewrite a shard can rewrite ``commit.json``). On a small CPU host one save of 120 MiB cost 0.155 s
 of CPU unhashed, 0.16-0.18 s with XXH3-128, 0.20-0.21 s with CRC-32 and 0.37-0.42 s with BLAKE2b
 (``hashlib.blake2b``), whose 0.6 GB/s is slower than the disk. The manifest records the algorithm, rank 0
 chooses it for every rank, and all three can be verified.

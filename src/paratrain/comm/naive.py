@@ -1,6 +1,6 @@
 """Naive ("star") collectives: one root talks to every other rank directly.
 
-This is seed 003's design, made non-blocking: the root posts all of its ``isend``/``irecv`` at once and
+This is the textbook star (the root talks to every rank), made non-blocking: the root posts all of its ``isend``/``irecv`` at once and
 then waits, so no rank blocks in a send while its peer blocks too. Simple, and the best choice for tiny
 messages on few ranks, but the root's link carries all the traffic, so time grows linearly in n.
 

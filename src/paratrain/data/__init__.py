@@ -1,7 +1,7 @@
 """Datasets and the resumable distributed batch sampler.
 
 Every dataset is held in memory as tensors (:class:`TensorData`): the workloads paratrain ships are small,
-and indexing a tensor is far cheaper than a DataLoader worker pool on a two-core machine. A dataset is
+and indexing a tensor is far cheaper than a DataLoader worker pool on a machine with few cores. A dataset is
 registered under a name with :func:`register_dataset`; ``DataConfig.name`` picks it.
 """
 

@@ -1,4 +1,4 @@
-"""``paratrain doctor``'s network checks: the variables seed 001 names, against this host's interfaces.
+"""``paratrain doctor``'s network checks: the rendezvous and socket variables torch.distributed reads, against this host's interfaces.
 
 - ``NCCL_SOCKET_IFNAME``: NCCL's syntax (``findInterfaces`` in NCCL's ``socket.cc``): a comma-separated list
   of interface-name *prefixes*; a leading ``^`` excludes the listed prefixes instead, a leading ``=`` (after

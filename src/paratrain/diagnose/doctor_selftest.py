@@ -58,7 +58,7 @@ PHASES = {
 _HANG_FIX = (
     "a rank that never reports is stuck in init_process_group (see the *_SOCKET_IFNAME and MASTER_* checks "
     "above) or in a collective; rerun with NCCL_DEBUG=INFO NCCL_DEBUG_FILE=/tmp/nccl_rank_%r.log and read "
-    "that rank's log (seed 001, multi-node debugging, step 3)."
+    "that rank's log (multi-node debugging: read the first rank that failed)."
 )
 
 

@@ -2,7 +2,7 @@
 
 **Layout.** The run's mesh is ``pp x dp_replicate x dp_shard x tp`` with ``tp`` innermost: the ``tp`` ranks
 are consecutive, so on a GPU cluster they share a node and its fast links, because tensor parallelism
-communicates inside every layer. ``fsdp+tp`` is seed 004's recipe: TP degree 2 inside a node, FSDP2 over
+communicates inside every layer. ``fsdp+tp`` is the 2-D recipe of the PyTorch FSDP+TP tutorial: TP inside a node, FSDP2 over
 the data-parallel ranks across nodes. Each parameter is then a 2-D DTensor: sharded by columns or rows over
 ``tp`` (the TP plan) and by dim-0 chunks of its local shard over ``dp_shard`` (FSDP2).
 

@@ -10,7 +10,7 @@ nccl-tests' busbw is measured, so a ring collective on a link of ``bw`` has busb
 - ``a100-nvlink-ib``: A100 SXM4 80GB, 312 TFLOP/s dense BF16 (NVIDIA A100 datasheet). NVLink 3: 600 GB/s
   bidirectional = 300 GB/s per direction. One 200 Gb/s HDR NIC per GPU (DGX A100) = 25 GB/s per GPU.
 - ``cpu-local``: the ranks of one machine talking through Gloo. α and β default to the figures measured on
-  paratrain's 2-core VM (BENCHMARKS.md: α = 294 µs, β = 1.48 ns/B); :func:`calibrate` refits them from
+  a small Linux host (BENCHMARKS.md: α = 294 µs, β = 1.48 ns/B); :func:`calibrate` refits them from
   ``paratrain bench comm --json`` output. ``gpu_flops`` is a rough per-process fp32 figure (one AVX2 core:
   2 FMA units × 8 lanes × 2 FLOP × ~3 GHz ≈ 1e11); override it with ``--gpu-flops``.
 

@@ -7,7 +7,7 @@ addition is associative, so the digest does not depend on the reduction order, t
 device: two replicas agree exactly when they should, and a one-ulp difference anywhere shows. The digests
 (``3 x 8`` bytes per tensor) travel in one ``all_gather`` per comparison group; no tensor is moved.
 
-Which ranks compare (seed 001, pitfalls 5 and 8: "training divergence" from unsynchronized statistics or
+Which ranks compare (the classic DDP pitfalls: "training divergence" from unsynchronized statistics or
 initialization):
 
 - plain tensors (DDP, the replicated buffers of any strategy): all ranks of ``group`` (default: world);

@@ -92,7 +92,7 @@ makes the read fail with ``ESRCH``, which names it.
 **Waiting.** A rank polls the flags it waits for: a few µs of pure spinning, then ``sched_yield`` for
 up to ``YIELD_S``, then it blocks in ``futex(FUTEX_WAIT)`` on the first late rank's flag word, and every
 publisher calls ``FUTEX_WAKE`` on its flag after raising it (the kernel rechecks the value under its own
-lock, so no wake-up is lost). Up to 4–5 ranks share 2 cores on the development machine: pure spinning
+lock, so no wake-up is lost). With more ranks than cores (4–5 ranks on 2 cores), pure spinning
 would starve the very peers a rank waits for, and sleep-polling (the fallback without futex, sleeps
 doubling from ``NAP_MIN_S`` to ``NAP_MAX_S``) adds its nap to every late arrival. While blocked it
 checks, every ``CHECK_S``, whether a late rank has died (``/proc/<pid>``, guarded against pid reuse by

@@ -57,7 +57,7 @@ is measured (:mod:`.tune`); this and ``OVERSUBSCRIBED_DIRECT_MIN_BYTES`` are the
 without tuning and for the one call of a size class between the trials and the choice."""
 OVERSUBSCRIBED_DIRECT_MIN_BYTES = 2 << 20
 """The direct path's threshold when the group has more ranks than the host has cores. In the 4-rank sweeps
-on the 2-core development VM (``benchmarks/bench_shm.py``: ``results/shm.json`` and the earlier
+on a 2-core host (``benchmarks/bench_shm.py``: ``results/shm.json`` and the earlier
 ``results/shm_fixed_order.json``) the direct path was level with the slots from 4 MB to 16 MB (1.89x
 against 1.90x Gloo at 4 MB, 2.11x against 2.02x at 16 MB; 2.39x against 2.72x and 1.94x against 1.87x in
 the earlier sweep) and ahead from 64 MB (2.46x against 1.97x, 2.52x against 1.57x at 256 MB). (Before the

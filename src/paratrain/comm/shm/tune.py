@@ -4,7 +4,7 @@ The two copying paths of :mod:`paratrain.comm.shm` trade different costs. The sl
 ``memcpy`` into and out of the segment (user space, no system call; fast while the tensors sit in the
 caches), the direct path moves fewer bytes but through ``process_vm_readv``/``process_vm_writev`` (a
 system call that pins the peer's pages; ahead once the tensors no longer fit in the caches). Where the
-two cross depends on the host: on one 2-core VM the direct path won from 1 MB, on another, whose cores
+two cross depends on the host: on one small host the direct path won from 1 MB, on another, whose cores
 copy in-cache memory 3-4x faster than ``process_vm_readv`` moves it, the slots won up to 4 MB at 2 ranks
 and up to 16 MB at 4 (``BENCHMARKS.md``, "Shared-memory collectives"). A fixed threshold is right on one
 host only, so the communicator measures, per collective and per power-of-two size class, as a tuning

@@ -1,4 +1,4 @@
-"""Data and placement checks (seed 001's pitfall table), reported once per job as warnings.
+"""Data and placement checks (the classic pitfalls of data-parallel input pipelines), reported once per job as warnings.
 
 Each finding carries the rule id of ``paratrain lint`` for the same mistake, so a user can look the rule
 up and find the static check that would have caught it before the run:

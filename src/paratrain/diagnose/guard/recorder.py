@@ -13,7 +13,7 @@ and in ``torch.distributed.distributed_c10d``, by a wrapper that writes one entr
 Collectives that torch issues from C++ (DDP's gradient buckets, functional collectives under DTensor) do
 not pass through these functions and are not recorded. Nested calls (``all_gather_object`` calls
 ``all_gather``) are recorded once, as the outer call. The guard's own collectives are not recorded (:func:`unrecorded`).
-Cost: under 10 µs of CPU per collective on a busy 2-core VM (benchmarks/bench_guard.py), no system call.
+Cost: under 10 µs of CPU per collective on a busy small CPU host (benchmarks/bench_guard.py), no system call.
 """
 
 from __future__ import annotations
