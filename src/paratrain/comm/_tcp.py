@@ -4,7 +4,7 @@ Why the ring has links of its own. On Gloo, a ring made of ``ProcessGroup.send``
 per message that Gloo's own all-reduce does not: a c10d work object, a Gloo buffer, a notification from
 Gloo's I/O thread, and the GIL handed back and forth on every wait. At 16 MB on 4 ranks (24 messages of
 2 MiB per call, every rank on two shared cores) that layer was 8-20% of the CPU and kept the ring at
-0.84-0.95× Gloo's all-reduce (BENCHMARKS.md, "The ring at 16 MB"). The bytes were never the problem:
+0.84-0.95× Gloo's all-reduce (docs/benchmarks/ring-16mb.md). The bytes were never the problem:
 both move them through the same loopback sockets. Here the ring owns two plain sockets per rank, so a
 message is one ``send`` on a sender thread and one ``recv_into(..., MSG_WAITALL)`` on the caller's
 thread, both without the GIL while the kernel copies.

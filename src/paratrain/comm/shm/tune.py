@@ -6,7 +6,7 @@ caches), the direct path moves fewer bytes but through ``process_vm_readv``/``pr
 system call that pins the peer's pages; ahead once the tensors no longer fit in the caches). Where the
 two cross depends on the host: on one small host the direct path won from 1 MB, on another, whose cores
 copy in-cache memory 3-4x faster than ``process_vm_readv`` moves it, the slots won up to 4 MB at 2 ranks
-and up to 16 MB at 4 (``BENCHMARKS.md``, "Shared-memory collectives"). A fixed threshold is right on one
+and up to 16 MB at 4 (docs/benchmarks/shm.md). A fixed threshold is right on one
 host only, so the communicator measures, per collective and per power-of-two size class, as a tuning
 library picks a kernel by timing it:
 
