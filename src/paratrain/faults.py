@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from paratrain.runtime import Context
+from paratrain.runtime import Context, launcher_gone
 
 
 class PeerLostError(RuntimeError):
@@ -51,22 +51,6 @@ def maybe_fail(step: int, ctx: Context, fail_at_step: int | None, fail_rank: int
 
 
 # ---- peer liveness -------------------------------------------------------------------------------------
-def _launcher_gone() -> bool:
-    """Whether paratrain's launcher of this worker has died (``False`` when it was not started by one)."""
-    pid = int(os.environ.get("PARATRAIN_LAUNCHER_PID", "0") or 0)
-    if pid <= 0:
-        return False
-    if os.getppid() != pid:
-        return True  # re-parented: the launcher is gone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 class PeerMonitor:
     """Heartbeat counters in the c10d store; :meth:`lost` names the ranks that stopped."""
 
@@ -119,7 +103,7 @@ class PeerMonitor:
                 failures += 1
                 if self._stop.is_set():
                     return
-                if failures >= 2 and not _launcher_gone():
+                if failures >= 2 and not launcher_gone():
                     # The store is hosted elsewhere (another node's agent in a multi-node job) and that node
                     # is gone: this rank's next collective fails and names it; the local launcher restarts
                     # or stops the group. Only stop beating.

@@ -165,12 +165,8 @@ def init(
             # The agent's store outlives a restart of the worker group, and torch uses it without a
             # per-attempt prefix: a restarted rank would read its peers' addresses from the failed attempt
             # and fail to connect. Prefix every key with this attempt's key, the same on every node.
-            client = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                world_size,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=timeout_s),
+            client = _connect_agent_store(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, timeout_s
             )
             kwargs["store"] = dist.PrefixStore(f"paratrain/attempt_{attempt_key()}", client)
         dist.init_process_group(**kwargs)
@@ -193,12 +189,13 @@ def die_with_launcher() -> None:
 
     The torch elastic agent starts every worker in a session of its own, so a SIGKILL of the launcher's
     process group (an OOM killer, a scheduler, a closed terminal) would leave the workers training on,
-    writing checkpoints into a directory the next run is already using. On Linux the kernel delivers
-    SIGKILL to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``); if the parent is already
-    gone when this runs, exit now. The heartbeat thread (:mod:`paratrain.faults`) backs this up on every
-    platform: it exits the process when the launcher's store stops answering.
+    writing checkpoints into a directory the next run is already using. ``paratrain launch`` starts every
+    worker through ``paratrain/launch/boot.py``, which does this before the interpreter imports anything;
+    this call repeats it for workers started otherwise. On Linux the kernel delivers SIGKILL to this process
+    when its parent dies (``prctl(PR_SET_PDEATHSIG)``); then, if the parent is no longer the launcher
+    (``PARATRAIN_LAUNCHER_PID``), the launcher died before that and this exits now. The store connection
+    (:func:`init`) and the heartbeat thread (:mod:`paratrain.faults`) back this up on every platform.
     """
-    launcher = _env_int("PARATRAIN_LAUNCHER_PID", 0)
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -207,22 +204,49 @@ def die_with_launcher() -> None:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             pr_set_pdeathsig = 1
             libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        except OSError:  # not glibc: the heartbeat watchdog still covers it
+        except OSError:  # not glibc: the store connection and the heartbeat still cover it
             pass
-    if launcher and os.getppid() != launcher and not _pid_alive(launcher):
-        print(f"[paratrain] rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; exiting",
+    if launcher_gone():
+        print(f"[paratrain] rank {os.environ.get('RANK', '?')}: the launcher is gone; exiting",
               file=sys.stderr, flush=True)  # fmt: skip
         os._exit(1)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def launcher_gone() -> bool:
+    """Whether paratrain's launcher of this worker has died: this process's parent is no longer the pid the
+    launcher recorded (``PARATRAIN_LAUNCHER_PID``). The kernel re-parents a process as its parent exits,
+    before that parent is reaped, so this is exact where ``kill(pid, 0)`` is not (a zombie answers it).
+    ``False`` when no paratrain launcher started this process."""
+    launcher = _env_int("PARATRAIN_LAUNCHER_PID", 0)
+    return launcher > 0 and os.getppid() != launcher
+
+
+STORE_TRY_S = 3.0
+"""How long one attempt to connect to the launcher's store lasts; between attempts a worker checks that its
+launcher is alive, so a worker never waits longer than this for a dead one."""
+
+
+def _connect_agent_store(host: str, port: int, world_size: int, timeout_s: float) -> Any:
+    """A client of the elastic agent's store, connected in attempts of ``STORE_TRY_S`` seconds up to
+    ``timeout_s`` in all; exits the process as soon as the launcher is found gone between attempts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            client = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=max(0.1, min(STORE_TRY_S, left))),
+            )
+        except (RuntimeError, OSError):
+            die_with_launcher()
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        client.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return client
 
 
 EXIT_GRACE_S = 0.1

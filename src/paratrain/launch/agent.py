@@ -171,17 +171,19 @@ def _worker_env(nproc: int, loopback_only: bool = False) -> None:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
-def _bound_entry(entry: list[str], mode: str, nproc: int) -> list[str]:
-    """``--cpu-bind cores``: the workers start through ``cpu_bind.py``, which pins each to its block of
-    cores and then execs ``entry``; the blocks travel in the environment."""
+def _boot_entry(entry: list[str], mode: str, nproc: int) -> list[str]:
+    """Every worker starts through ``boot.py`` (``python -S boot.py ENTRY...``): before its interpreter
+    imports anything it arranges to die with this process, and under ``--cpu-bind cores`` pins itself to its
+    block of cores (the blocks travel in the environment); then it execs ``entry``."""
+    from paratrain.launch import boot
+
     os.environ.pop(cpu_bind.BLOCKS_ENV, None)  # not inherited from an outer launch
-    if mode == "none":
-        return entry
-    cores = cpu_bind.allowed_cores()
-    blocks = cpu_bind.core_blocks(cores, nproc)
-    os.environ[cpu_bind.BLOCKS_ENV] = cpu_bind.encode(blocks)
-    print(f"paratrain: {cpu_bind.describe(blocks, cores)}", file=sys.stderr)
-    return ["-S", os.path.abspath(cpu_bind.__file__), *entry]
+    if mode != "none":
+        cores = cpu_bind.allowed_cores()
+        blocks = cpu_bind.core_blocks(cores, nproc)
+        os.environ[cpu_bind.BLOCKS_ENV] = cpu_bind.encode(blocks)
+        print(f"paratrain: {cpu_bind.describe(blocks, cores)}", file=sys.stderr)
+    return ["-S", os.path.abspath(boot.__file__), *entry]
 
 
 def _quiet_agent_logs() -> None:
@@ -211,7 +213,7 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
         print(f"paratrain: warning: {nproc} processes on {cores} CPU core(s): the cores are oversubscribed, "
               "so every rank waits for the others to be scheduled (fine for tests, slow for training).",
               file=sys.stderr)  # fmt: skip
-    entry = _bound_entry(list(entry), launch.cpu_bind, nproc)
+    entry = _boot_entry(list(entry), launch.cpu_bind, nproc)
     if quiet:
         _quiet_agent_logs()
     config = _elastic_config(launch, nproc)

@@ -9,19 +9,18 @@ slowest placement sets the pace. MPI launchers bind by default (``mpirun --bind-
   or ``taskset`` around the launcher holds) into one equal block per local rank, in order. Cores left over
   from an uneven split stay unused: synchronous ranks go at the pace of the slowest, so unequal blocks
   would only idle the larger ones. With more ranks than cores, local rank r gets core ``r mod cores``.
-- The agent starts every worker through this file (``python -S cpu_bind.py ENTRY...``), which pins itself
-  to its block (``LOCAL_RANK``'s entry of ``PARATRAIN_CPU_BLOCKS``) and then replaces itself with the real
-  worker (``os.execv``). The pid stays the one the elastic agent watches, and the binding is in place
-  before the worker's interpreter starts, so every thread it makes (OpenMP's, Gloo's) inherits it.
+- The agent starts every worker through :mod:`boot` (``python -S boot.py ENTRY...``), which pins itself
+  to its block (``LOCAL_RANK``'s entry of ``PARATRAIN_CPU_BLOCKS``, :func:`pin`) and then replaces itself
+  with the real worker (``os.execv``). The pid stays the one the elastic agent watches, and the binding is
+  in place before the worker's interpreter starts, so every thread it makes (OpenMP's, Gloo's) inherits it.
 
-This file imports only the standard library, none of it named like a file of this directory: run as a
-script, its directory comes first on ``sys.path``.
+This file imports only the standard library, none of it named like a file of this directory: :mod:`boot`,
+run as a script, imports it by its bare name.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 
 BLOCKS_ENV = "PARATRAIN_CPU_BLOCKS"
@@ -77,14 +76,10 @@ def describe(blocks: Sequence[Sequence[int]], cores: Sequence[int]) -> str:
     return line
 
 
-def main(argv: list[str]) -> None:
-    blocks = decode(os.environ[BLOCKS_ENV])
-    rank = int(os.environ["LOCAL_RANK"])
-    if not 0 <= rank < len(blocks):
-        raise SystemExit(f"paratrain cpu_bind: LOCAL_RANK={rank} but {BLOCKS_ENV} has {len(blocks)} blocks")
-    os.sched_setaffinity(0, blocks[rank])
-    os.execv(sys.executable, [sys.executable, *argv])
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def pin(blocks: Sequence[Sequence[int]], local_rank: int) -> None:
+    """Pin this process to ``blocks[local_rank]``."""
+    if not 0 <= local_rank < len(blocks):
+        raise SystemExit(
+            f"paratrain cpu_bind: LOCAL_RANK={local_rank} but {BLOCKS_ENV} has {len(blocks)} blocks"
+        )
+    os.sched_setaffinity(0, blocks[local_rank])
