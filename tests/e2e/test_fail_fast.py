@@ -98,3 +98,43 @@ def test_workers_die_with_a_launcher_killed_while_they_start(tmp_path: Path) -> 
 @pytest.mark.timeout(600)
 def test_workers_die_with_their_launcher_at_any_moment_of_the_first_15_s(tmp_path: Path) -> None:
     _check_moments(tmp_path, [0.0, 0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 7.0, 9.0, 11.0, 13.0, 15.0])
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_rank_ends_the_job_within_the_timeout_and_is_reported_frozen(tmp_path: Path) -> None:
+    timeout_s = 8
+    mark = uuid.uuid4().hex
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "train", *MLP, "--steps", "100000", "--nproc-per-node", "2",
+         "--ckpt-every", "5", "--timeout", str(timeout_s), "--max-restarts", "0", "--run-dir", str(run_dir)],
+        cwd=tmp_path, env={**cli_env(), MARK: mark}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "training never reached a checkpoint"
+            time.sleep(0.2)
+        rank1 = [p for p in _marked(mark, proc.pid) if b"RANK=1" in _environ(p)]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        _out, err = proc.communicate(timeout=timeout_s + 60)
+        took = time.monotonic() - frozen_at
+    finally:
+        for pid in _marked(mark, proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+    # the peers time out at --timeout and name rank 1; its teardown then takes no 30 s of SIGTERM grace
+    assert took < timeout_s + 12, f"the job took {took:.0f}s after the freeze (--timeout {timeout_s})\n{err}"
+    assert "rank 1 was frozen (process stopped" in err, err
+    assert "killed by the launcher (SIGKILL)" in err, err
+    assert "    rank 0: exited (exit code 1)" in err, err
+
+
+def _environ(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read().split(b"\0")

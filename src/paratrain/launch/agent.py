@@ -35,6 +35,7 @@ from paratrain.launch.rendezvous import (
     port_in_use,
     split_endpoint,
 )
+from paratrain.launch.watch import WorkerWatch
 
 
 def gpu_count() -> int:
@@ -221,16 +222,18 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     stop = StopForwarder(grace_s(launch.timeout_s))
     config.rdzv_backend = guarded_backend(config.rdzv_backend, stop)
     stop.install()
+    watch = WorkerWatch().start()  # a frozen worker is SIGKILLed once its group failed (launch/watch.py)
     try:
         return dict(launch_agent(config, sys.executable, list(entry)))
     except ChildFailedError as err:
         failures = read_failures(err)
-        raise LaunchError(format_failure(failures, launch.max_restarts), failures) from None
+        raise LaunchError(format_failure(failures, launch.max_restarts, watch.notes), failures) from None
     except SignalException as e:
         raise LaunchError(
             describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)
         ) from None
     finally:
+        watch.close()
         stop.restore()
 
 

@@ -94,7 +94,12 @@ def _root_cause_order(f: RankFailure) -> tuple[int, float, int]:
     return (kind, f.when, f.rank)
 
 
-def format_failure(failures: list[RankFailure], attempts: int) -> str:
+def format_failure(failures: list[RankFailure], attempts: int, notes: dict[int, str] | None = None) -> str:
+    """One paragraph: the first failing rank, its error and where it was raised. ``notes`` (global rank ->
+    text) is what the launcher saw and did to a rank (:class:`paratrain.launch.watch.WorkerWatch`: frozen,
+    then killed): such a rank leads, and every rank's fate is listed."""
+    if notes and any(f.rank in notes for f in failures):
+        return _format_with_notes(failures, attempts, notes)
     first = failures[0]
     if first.exitcode < 0 and first.message == _describe_exit(first.exitcode):
         lines = [f"rank {first.rank} died ({first.message})"]  # no error of its own: killed
@@ -113,6 +118,22 @@ def format_failure(failures: list[RankFailure], attempts: int) -> str:
     others = [f.rank for f in failures[1:] if f not in noticed[:1]]
     if others:
         lines.append(f"  ranks {others} stopped after it.")
+    if attempts > 0:
+        lines.append(f"  (after {attempts} restart(s) by the elastic agent)")
+    return "\n".join(lines)
+
+
+def _format_with_notes(failures: list[RankFailure], attempts: int, notes: dict[int, str]) -> str:
+    first = next(f for f in failures if f.rank in notes)
+    lines = [f"rank {first.rank} was {notes[first.rank]}", "  what happened to each rank:"]
+    for f in sorted(failures, key=lambda f: f.rank):
+        if f.rank in notes:
+            fate = notes[f.rank]
+        elif f.exitcode == -signal.SIGTERM and not f.traceback:
+            fate = "stopped by the agent's teardown (SIGTERM) after the failure"
+        else:
+            fate = f"exited ({_describe_exit(f.exitcode)}): {f.message}"
+        lines.append(f"    rank {f.rank}: {fate}")
     if attempts > 0:
         lines.append(f"  (after {attempts} restart(s) by the elastic agent)")
     return "\n".join(lines)
