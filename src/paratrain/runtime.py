@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from paratrain.errors import permanent_reason
+
 log = logging.getLogger("paratrain")
 
 
@@ -350,6 +352,9 @@ def record_errors(fn: Any) -> Any:
             handler = ErrorHandler()
             handler.initialize()
             path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+            reason = permanent_reason(e)
+            if reason is not None:
+                _forbid_restart(e, reason)
             if path:
                 _write_error_file(path, e, raised_at)
                 rank = os.environ.get("RANK", "?")
@@ -359,6 +364,25 @@ def record_errors(fn: Any) -> Any:
             sys.exit(1)
 
     return wrapper
+
+
+NO_RESTART_ENV = "PARATRAIN_NO_RESTART_FILE"
+"""Where a worker records a failure that no restart can fix (set by ``paratrain launch``); the launcher
+reads it before restarting the group and ends the job instead (:mod:`paratrain.launch.signals`)."""
+
+
+def _forbid_restart(e: BaseException, reason: str) -> None:
+    """Record ``e`` in the launcher's no-restart file; the first rank to fail this way keeps its record."""
+    path = os.environ.get(NO_RESTART_ENV)
+    if not path:
+        return
+    record = {"rank": _env_int("RANK", 0), "message": f"{type(e).__name__}: {e}", "reason": reason}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:  # another rank was first, or the launcher's directory is gone
+        return
+    with os.fdopen(fd, "w") as fp:
+        json.dump(record, fp)
 
 
 def _write_error_file(path: str, e: BaseException, raised_at: float) -> None:

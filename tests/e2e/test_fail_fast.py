@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env
+from tests.conftest import cli_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -138,3 +138,16 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout_and_is_reported_frozen(tm
 def _environ(pid: int) -> list[bytes]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         return f.read().split(b"\0")
+
+
+@pytest.mark.timeout(180)
+def test_nonfinite_loss_is_not_restarted(tmp_path: Path) -> None:
+    # a restart resumes from the same checkpoint and diverges the same way: the job ends at the first failure
+    proc = run_cli("train", *MLP, "--lr", "1e30", "--steps", "20", "--nproc-per-node", "2", "--max-restarts", "3",
+                   "--run-dir", str(tmp_path / "r"), cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "not restarted (--max-restarts 3 left unused): non-finite values" in err, err
+    assert "NonFiniteError: non-finite loss or gradient at step" in err, err
+    assert "restart(s) by the elastic agent" not in err, err
+    assert "Traceback" not in err, err

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from paratrain.checkpoint.errors import CheckpointError, save_failure_message
+from paratrain.checkpoint.errors import CheckpointError, save_error, save_failure_message
 from paratrain.checkpoint.integrity import FileDigest, HashingWriter
 from paratrain.runtime import Context
 
@@ -71,8 +71,9 @@ class AsyncSaver:
                 no_dist=not self.ctx.distributed,
             )
         except (Exception, CheckpointException) as e:  # staging failed (out of memory, ...)
-            raise AsyncCheckpointError(
-                f"rank {self.ctx.rank}: staging for the background save: {save_failure_message(e, tmp, final.name)}"
+            raise save_error(
+                f"rank {self.ctx.rank}: staging for the background save: {save_failure_message(e, tmp, final.name)}",
+                AsyncCheckpointError,
             ) from None
         upload = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse when a stager returns a future
         self._pending = (upload, tmp, final, writer)  # type: ignore[assignment]
@@ -103,8 +104,9 @@ class AsyncSaver:
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self.ctx.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise AsyncCheckpointError(
-                f"rank {self.ctx.rank}: background save: {save_failure_message(e, tmp, final.name)}"
+            raise save_error(
+                f"rank {self.ctx.rank}: background save: {save_failure_message(e, tmp, final.name)}",
+                AsyncCheckpointError,
             ) from None
 
     def close(self) -> None:

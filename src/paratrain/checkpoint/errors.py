@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.checkpoint import safe
 
-__all__ = ["CheckpointError", "DamagedCheckpointError", "save_failure_message"]
+__all__ = ["DISK_FULL", "CheckpointError", "DamagedCheckpointError", "save_error", "save_failure_message"]
 
 
 class CheckpointError(RuntimeError):
@@ -19,7 +19,10 @@ class CheckpointError(RuntimeError):
 
 class DamagedCheckpointError(CheckpointError):
     """The checkpoint's files are not what was written (corrupt, partial, tampered): ``--resume auto``
-    falls back to an older one. (A checkpoint of another model is a plain :class:`CheckpointError`.)"""
+    falls back to an older one. (A checkpoint of another model is a plain :class:`CheckpointError`.)
+    Raised out of a load only when no fallback is left, so no restart can help."""
+
+    permanent = "damaged checkpoints (a restart reads the same files)"
 
     def __init__(self, message: str, model_touched: bool = False, problems: list[str] | None = None) -> None:
         super().__init__(message)
@@ -28,6 +31,17 @@ class DamagedCheckpointError(CheckpointError):
         self.problems = problems or [message]
         """What is wrong, without the advice for ``--resume PATH`` (what a fallback reports)."""
 
+
+DISK_FULL = "No space left on device"
+
+
+def save_error(message: str, cls: type[CheckpointError] = CheckpointError) -> CheckpointError:
+    """The error of a failed save with ``message`` (:func:`save_failure_message`); a full disk is marked
+    permanent: a restart would fill it again (:func:`paratrain.errors.permanent_reason`)."""
+    err = cls(message)
+    if DISK_FULL in message:
+        err.permanent = "a full disk (a restart fills it again)"  # type: ignore[attr-defined]
+    return err
 
 
 def save_failure_message(e: BaseException, tmp: Path, step_name: str) -> str:
@@ -38,7 +52,7 @@ def save_failure_message(e: BaseException, tmp: Path, step_name: str) -> str:
     )
     if full is not None:
         return (
-            f"No space left on device while writing {full.filename or tmp}; the partial checkpoint was removed. "
+            f"{DISK_FULL} while writing {full.filename or tmp}; the partial checkpoint was removed. "
             "Free space or use --ckpt-dir on another disk."
         )
     oserr = safe.first_cause(e, OSError)

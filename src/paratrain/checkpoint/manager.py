@@ -53,7 +53,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.checkpoint import safe
-from paratrain.checkpoint.errors import CheckpointError, DamagedCheckpointError, save_failure_message
+from paratrain.checkpoint.errors import (
+    CheckpointError,
+    DamagedCheckpointError,
+    save_error,
+    save_failure_message,
+)
 from paratrain.checkpoint.integrity import (
     COMMIT_FILE,
     FileDigest,
@@ -277,7 +282,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self.ctx.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(save_failure_message(e, tmp, final.name)) from None
+            raise save_error(save_failure_message(e, tmp, final.name)) from None
         error = None
         if self.ctx.is_main:
             try:
@@ -287,7 +292,7 @@ class CheckpointManager:
                 error = save_failure_message(e, tmp, final.name)
         error = broadcast_object(error, self.ctx)  # every rank waits here for the commit, and shares its fate
         if error is not None:
-            raise CheckpointError(error)
+            raise save_error(error)
         self.blocked_s.append(time.perf_counter() - t0)
         return final
 
@@ -307,7 +312,7 @@ class CheckpointManager:
                 error = save_failure_message(e, tmp, final.name)
         name, error, algorithm = broadcast_object((name, error, self.checksum_algorithm), self.ctx)
         if error is not None:
-            raise CheckpointError(error)
+            raise save_error(error)
         return self.root / name, algorithm
 
     def poll(self) -> BaseException | None:

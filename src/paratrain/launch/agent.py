@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from typing import Any
 
@@ -203,7 +205,14 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
 
-    from paratrain.launch.signals import StopForwarder, describe_teardown, grace_s, guarded_backend
+    from paratrain.launch.signals import (
+        NoRestartError,
+        StopForwarder,
+        describe_teardown,
+        grace_s,
+        guarded_backend,
+    )
+    from paratrain.runtime import NO_RESTART_ENV
 
     launch = resolve(launch)
     preflight(launch)
@@ -220,7 +229,10 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     config = _elastic_config(launch, nproc)
     # SIGTERM/SIGUSR1: forwarded to the workers, which save and exit; no restart after (launch/signals.py)
     stop = StopForwarder(grace_s(launch.timeout_s))
-    config.rdzv_backend = guarded_backend(config.rdzv_backend, stop)
+    # a worker records here a failure that no restart can fix; the next rendezvous ends the job instead
+    scratch = tempfile.mkdtemp(prefix="paratrain-launch-")
+    no_restart = os.environ[NO_RESTART_ENV] = os.path.join(scratch, "no_restart.json")
+    config.rdzv_backend = guarded_backend(config.rdzv_backend, stop, no_restart, launch.max_restarts)
     stop.install()
     watch = WorkerWatch().start()  # a frozen worker is SIGKILLed once its group failed (launch/watch.py)
     try:
@@ -228,6 +240,8 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     except ChildFailedError as err:
         failures = read_failures(err)
         raise LaunchError(format_failure(failures, launch.max_restarts, watch.notes), failures) from None
+    except NoRestartError as e:
+        raise LaunchError(str(e)) from None
     except SignalException as e:
         raise LaunchError(
             describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)
@@ -235,6 +249,7 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     finally:
         watch.close()
         stop.restore()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run_module(module: str, argv: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int, Any]:

@@ -110,9 +110,34 @@ class StopForwarder:
             os.kill(os.getpid(), self.received)
 
 
+class NoRestartError(RuntimeError):
+    """A worker failed in a way no restart can change; ``str()`` is the report. Raised by
+    :class:`GuardedRendezvous` in place of the restart's rendezvous."""
+
+
+def no_restart_report(path: str | None, max_restarts: int) -> str | None:
+    """The report of a failure recorded in the no-restart file (:func:`paratrain.runtime.record_errors`),
+    or ``None`` when no worker recorded one."""
+    import json
+
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as fp:
+            record = json.load(fp)
+        rank, message, reason = record["rank"], record["message"], record["reason"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (
+        f"rank {rank} failed: {message}\n  not restarted (--max-restarts {max_restarts} left unused): {reason}. "
+        "Fix the cause and run again."
+    )
+
+
 class GuardedRendezvous:
     """A rendezvous handler that refuses to start another round once a stop signal was received (so a
-    worker that dies while stopping does not make the agent restart the group), and gives the round's
+    worker that dies while stopping does not make the agent restart the group) or once a worker recorded
+    a failure that no restart can fix (:class:`NoRestartError`), and gives the round's
     workers on every node the same attempt (``PARATRAIN_ATTEMPT``) and a store prefix of their own
     (``PARATRAIN_ROUND_KEY``); everything else is the wrapped handler's.
 
@@ -123,13 +148,19 @@ class GuardedRendezvous:
     into the round's store; every agent reads them and puts them in its environment, which the workers
     it starts next inherit (:func:`paratrain.runtime.attempt`, :func:`~paratrain.runtime.attempt_key`)."""
 
-    def __init__(self, inner: Any, name: str, stop: StopForwarder) -> None:
+    def __init__(
+        self, inner: Any, name: str, stop: StopForwarder, no_restart: str | None = None, max_restarts: int = 0
+    ) -> None:
         self._inner, self._name, self._stop = inner, name, stop
+        self._no_restart, self._max_restarts = no_restart, max_restarts
         self._rounds = 0
 
     def next_rendezvous(self) -> Any:
         if self._stop.received is not None:
             raise self._stop.teardown(self._stop.received)
+        report = no_restart_report(self._no_restart, self._max_restarts) if self._rounds else None
+        if report is not None:
+            raise NoRestartError(report)
         info = self._inner.next_rendezvous()
         self._rounds += 1
         store, rank = (info.store, info.rank) if hasattr(info, "store") else (info[0], info[1])
@@ -151,7 +182,9 @@ ROUND_KEY = "paratrain/round"
 """Key of the round's store (prefixed per round by torch's c10d rendezvous) that rank 0 writes the attempt to."""
 
 
-def guarded_backend(backend: str, stop: StopForwarder) -> str:
+def guarded_backend(
+    backend: str, stop: StopForwarder, no_restart: str | None = None, max_restarts: int = 0
+) -> str:
     """Register ``paratrain-guarded-<n>``: ``backend``'s handler wrapped in :class:`GuardedRendezvous`."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
@@ -170,7 +203,7 @@ def guarded_backend(backend: str, stop: StopForwarder) -> str:
                 **params.config,
             )
         )
-        return GuardedRendezvous(inner, name, stop)
+        return GuardedRendezvous(inner, name, stop, no_restart, max_restarts)
 
     registry.register(name, create)
     return name

@@ -21,6 +21,8 @@ from paratrain.runtime import Context
 class NonFiniteError(RuntimeError):
     """Training produced a NaN or an infinity; the message names the step, the rank(s) and the parameter."""
 
+    permanent = "non-finite values (a restart resumes from the same checkpoint and diverges again)"
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
