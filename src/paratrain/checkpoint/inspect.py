@@ -156,18 +156,56 @@ def format_inspect(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def load_full_model(step_dir: str | Path) -> dict[str, torch.Tensor]:
+def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
+    """The verified step directory ``path`` stands for, before anything is built from it.
+
+    ``path`` is a ``step_NNNNNNNN`` directory (verified, checksums included: :class:`ConfigError` listing its
+    problems), a checkpoint directory (its newest valid step, as ``--resume auto`` picks it) or a run
+    directory (its ``checkpoints/``). When the step used is not the newest, one ``warning:`` line per
+    checkpoint passed over says which and why, on stderr: a reader never uses an older step silently.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"{flag} {p} does not exist. Give a run directory, a checkpoint directory or a step."
+        )
+    if step_of(p) is not None:
+        problems = check_checkpoint(p)
+        if problems:
+            raise ConfigError(
+                f"{flag} {p} is not a usable checkpoint: {'; '.join(problems)}. Give a committed step_NNNNNNNN "
+                "directory (one `paratrain ckpt inspect` calls valid) or its run directory."
+            )
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    passed: list[tuple[Path, list[str]]] = []
+    found = find_latest_valid(root, on_skip=lambda q, problems: passed.append((q, problems)))
+    if found is None:
+        why = "".join(f"; {q.name}: {', '.join(problems)}" for q, problems in passed)
+        raise ConfigError(f"{flag} {p}: no committed, valid checkpoint in {root}{why}.")
+    for q, problems in passed:
+        what = f"the step {LATEST_FILE} names" if q.name == LATEST_FILE else q.name
+        print(
+            f"paratrain: warning: using {found.name}, an older step than the newest: passed over {what}: "
+            f"{'; '.join(problems)}",
+            file=sys.stderr,
+        )
+    return Path(found)
+
+
+def load_full_model(step_dir: str | Path, verify: bool = True) -> dict[str, torch.Tensor]:
     """The full (unsharded) model tensors of a committed checkpoint, by their original names, in one process.
 
-    Verified first (checksums included); DCP assembles every shard written by every rank, whatever the
-    strategy and world size that wrote it. Raises :class:`ConfigError` naming what is wrong.
+    Verified first (checksums included) unless ``verify=False`` (the caller verified it:
+    :func:`resolve_checkpoint`); DCP assembles every shard written by every rank, whatever the strategy and
+    world size that wrote it. Raises :class:`ConfigError` naming what is wrong.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     p = Path(step_dir)
-    problems = check_checkpoint(p)
+    problems = check_checkpoint(p) if verify else []
     if problems:
         raise ConfigError(f"{p} is not a usable checkpoint: {'; '.join(problems)}")
     md = safe.read_metadata(p)
@@ -199,7 +237,8 @@ def load_full_model(step_dir: str | Path) -> dict[str, torch.Tensor]:
 def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = False) -> dict[str, Any]:
     """Consolidate the model of a (sharded) checkpoint into one ``.safetensors`` file of full tensors.
 
-    The checkpoint is verified (checksums included) first. An existing ``out`` is refused unless ``force``
+    ``step_dir``: a step, checkpoint or run directory (:func:`resolve_checkpoint`, which verifies it,
+    checksums included, and warns when the step used is not the newest). An existing ``out`` is refused unless ``force``
     (a directory never: it would be replaced by a file). The file is written to a temporary name and renamed.
     """
     from safetensors.torch import save_file
@@ -215,7 +254,8 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
     parent = next((d for d in dest.parents if d.exists()), None)
     if parent is not None and not parent.is_dir():
         raise ConfigError(f"cannot write {dest}: {parent} is a file, not a directory. Give another path.")
-    model = load_full_model(p)
+    p = resolve_checkpoint(p, flag="ckpt export")
+    model = load_full_model(p, verify=False)
     state = _read_state(p)
     cfg = state.get("config", {})
     meta_out = {

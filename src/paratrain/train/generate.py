@@ -16,31 +16,13 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint.inspect import load_full_model
-from paratrain.checkpoint.layout import find_latest_valid, step_of
-from paratrain.checkpoint.safe import DamagedFileError
+from paratrain.checkpoint.inspect import load_full_model, resolve_checkpoint
+from paratrain.checkpoint.layout import step_of
 from paratrain.checkpoint.state import read_train_state
 from paratrain.config import RunConfig
 from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, is_language_model
-
-
-def resolve_step_dir(path: str | Path) -> Path:
-    """A step directory from ``path``: a ``step_NNNNNNNN`` dir, a checkpoint dir (its newest valid step), or
-    a run dir (its ``checkpoints/``)."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(
-            f"--ckpt {p} does not exist. Give a run directory, a checkpoint directory or a step."
-        )
-    if step_of(p) is not None:
-        return p
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    found = find_latest_valid(root)
-    if found is None:
-        raise ConfigError(f"--ckpt {p}: no committed, valid checkpoint in {root}.")
-    return Path(found)
 
 
 def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
@@ -77,14 +59,8 @@ def generate(
             f"--max-new-tokens and --temperature must be >= 0 (a finite number) and --top-k >= 1; got "
             f"{max_new_tokens}, {temperature} and {top_k}."
         )
-    step_dir = resolve_step_dir(ckpt)
-    try:
-        state = read_train_state(step_dir, step_of(step_dir))
-    except DamagedFileError as e:
-        raise ConfigError(
-            f"--ckpt {step_dir}: {e}. Give a committed checkpoint (a step_NNNNNNNN directory that `paratrain "
-            "ckpt inspect` calls valid) or its run directory."
-        ) from None
+    step_dir = resolve_checkpoint(ckpt)  # verified (checksums included) before anything is built from it
+    state = read_train_state(step_dir, step_of(step_dir))
     cfg = RunConfig.from_dict(state["config"], source=f"{step_dir}/train_state.json")
     if not is_language_model(cfg.model.name):  # before building it: a cnn cannot even take token ids
         raise ConfigError(f"--ckpt {step_dir} holds a {cfg.model.name!r} model, not a language model.")
@@ -98,7 +74,7 @@ def generate(
     model = build_model(cfg.model, (cfg.data.seq_len,), tok.vocab_size)
     if getattr(model, "config", None) is None:
         raise ConfigError(f"--ckpt {step_dir} holds a {cfg.model.name!r} model, not a language model.")
-    weights = load_full_model(step_dir)
+    weights = load_full_model(step_dir, verify=False)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ConfigError(

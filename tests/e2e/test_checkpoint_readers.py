@@ -1,0 +1,45 @@
+"""Checkpoint readers other than training (``generate``, ``ckpt export``) verify a checkpoint before they
+build anything from it, and say so when they use an older step than the newest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(300)
+def test_readers_verify_first_and_warn_when_they_fall_back(tmp_path: Path) -> None:
+    run = tmp_path / "lm"
+    run_cli("train", "--model", "llama-debug", "--data", "python-stdlib", "--set", "data.max_bytes=50000",
+            "--seq-len", "32", "--steps", "4", "--batch-size", "4", "--strategy", "single", "--nproc-per-node", "1",
+            "--ckpt-every", "2", "--run-dir", str(run), cwd=tmp_path, timeout=240)  # fmt: skip
+    ckpts = run / "checkpoints"
+    # an edited train_state.json (same checkpoint otherwise): refused by its checksum before a model is
+    # built from the config it holds (here: one that is not a language model)
+    edited = tmp_path / "edited" / "step_00000002"
+    shutil.copytree(ckpts / "step_00000002", edited)
+    state = edited / "train_state.json"
+    state.write_text(state.read_text().replace('"llama-debug"', '"mlp"'))
+    proc = run_cli("generate", "--ckpt", str(edited), "--max-new-tokens", "2", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "is not a usable checkpoint" in proc.stderr and "train_state.json" in proc.stderr, proc.stderr
+    assert "not a language model" not in proc.stderr and "Traceback" not in proc.stderr
+    # the newest step damaged (one byte of its data, same size): both readers use step 2, and say so
+    data = ckpts / "step_00000004" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    warning = "warning: using step_00000002, an older step than the newest: passed over step_00000004"
+    gen = run_cli("generate", "--ckpt", str(run), "--max-new-tokens", "2", "--json", cwd=tmp_path)
+    assert json.loads(gen.stdout.splitlines()[-1])["step"] == 2
+    assert warning in gen.stderr and "checksum" in gen.stderr, gen.stderr
+    out = run_cli("ckpt", "export", str(run), str(tmp_path / "model.safetensors"), "--json", cwd=tmp_path)
+    assert warning in out.stderr, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["tensors"] > 0
