@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -187,3 +188,66 @@ def test_a_killed_neighbour_fails_the_ring_at_once_naming_it(tmp_path: Path, for
     for r in reports[:-1]:
         assert "exited or was killed" in r["error"], r
         assert r["elapsed"] < 10.0, r  # the group's timeout is 60 s: nothing waited for it
+
+
+def intruders_then_fallback_log() -> dict[str, Any]:
+    """A local process connects first to each rank's listening port (a burst of connections speaking
+    garbage, started the moment the port is published); then a group whose rank 1 asked for c10d."""
+    import logging
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
+    store = dist.PrefixStore("paratrain-ring/0", base)
+    connected = []
+
+    def intrude() -> None:
+        while not store.check([f"offer/{rank}"]):
+            time.sleep(0.0005)
+        port = json.loads(store.get(f"offer/{rank}"))["port"]
+        for _ in range(20):  # until the handshake is over and the port closed (or its backlog full)
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                    s.sendall(b"\0" * _tcp._HELLO.size)
+                    connected.append(time.monotonic())
+            except OSError:
+                return
+
+    t = threading.Thread(target=intrude, daemon=True)
+    t.start()
+    x = torch.full((1000,), float(rank + 1))
+    ring.all_reduce(x, "sum", peers("test", None))
+    t.join(timeout=30)
+    links = _links_of()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("paratrain.comm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    if rank == 1:
+        os.environ[_tcp.ENV] = "c10d"
+    sub = dist.new_group(list(range(n)))
+    y = torch.ones(10)
+    ring.all_reduce(y, "sum", peers("test", sub))
+    return {
+        "links": links is not None and not links.closed,
+        "refused": links.refused if links is not None else None,
+        "intruders": len(connected),
+        "sum": x[0].item(),
+        "sub_links": _links_of(sub) is not None,
+        "logs": [r.getMessage() for r in records],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_local_process_that_connects_first_does_not_switch_the_links_off_and_a_fallback_is_logged() -> None:
+    outs = run_distributed(intruders_then_fallback_log, 2, timeout_s=100)
+    for r, o in enumerate(outs):
+        assert o["intruders"] >= 1
+        assert o["links"], f"rank {r}: the links were switched off by the intruders"
+        assert o["sum"] == 3.0
+        assert not o["sub_links"]
+    assert sum(o["refused"] for o in outs) > 0  # the intruders were there first at least once, and refused
+    fallback = [m for m in outs[0]["logs"] if "uses c10d's point-to-point" in m]
+    assert len(fallback) == 1 and "PARATRAIN_RING_LINKS=c10d on rank(s) [1]" in fallback[0], outs[0]["logs"]
+    assert not [m for m in outs[1]["logs"] if "uses c10d's point-to-point" in m]  # once per group

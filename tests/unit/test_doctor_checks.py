@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,3 +300,17 @@ def test_non_finite_timeouts_are_usage_errors(
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ptrace_scope_is_reported(tmp_path: Path) -> None:
+    for value, words in (("1", "every process of the same user"), ("2", "refused"), ("0", "classic")):
+        (tmp_path / "scope").write_text(value + "\n")
+        check = doctor.check_ptrace_scope(str(tmp_path / "scope"))
+        assert (
+            check.status == "ok"
+            and f"kernel.yama.ptrace_scope={value}" in check.detail
+            and words in check.detail
+        )
+    assert "no Yama" in doctor.check_ptrace_scope(str(tmp_path / "absent")).detail
+    names = [c.name for c in doctor.collect(selftest=False)[0]]
+    assert "ptrace_scope" in names

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hmac
 import json
+import logging
 import os
 import queue
 import secrets
@@ -59,6 +61,9 @@ SLICE_S = 1.0
 _ACCEPT_S = 60.0
 """How long the handshake waits for a neighbour's connection (it connects right after publishing)."""
 _HELLO = struct.Struct("<16sq")  # the group's token and the connecting rank, checked by the acceptor
+_HELLO_S = 5.0
+"""How long the acceptor waits for a connection's hello (a neighbour sends it right after connecting)."""
+log = logging.getLogger("paratrain.comm")
 
 
 class LinkError(RuntimeError):
@@ -74,12 +79,15 @@ def _mode() -> str:
     return mode
 
 
+_NOT_ONE_HOST = "the ranks are not all on one host"
+
+
 def decide(answers: list[dict[str, Any]]) -> str | None:
     """Why the group cannot use links (``None``: it can), from every rank's published answer."""
     if any(a["mode"] != "auto" for a in answers):
         return f"{ENV}=c10d on rank(s) {[i for i, a in enumerate(answers) if a['mode'] != 'auto']}"
     if any((a["host"], a["boot"]) != (answers[0]["host"], answers[0]["boot"]) for a in answers):
-        return "the ranks are not all on one host"
+        return _NOT_ONE_HOST
     bad = [f"group rank {i}: {a['error']}" for i, a in enumerate(answers) if a.get("error")]
     return "; ".join(bad) if bad else None
 
@@ -97,8 +105,12 @@ def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
 class RingLinks:
     """This rank's two streams of a group: ``out`` to the right neighbour, ``inp`` from the left."""
 
-    def __init__(self, peers: Peers, out: socket.socket, inp: socket.socket, timeout_s: float) -> None:
+    def __init__(
+        self, peers: Peers, out: socket.socket, inp: socket.socket, timeout_s: float, refused: int = 0
+    ) -> None:
         self.peers = peers
+        self.refused = refused
+        """Connections the handshake refused: they did not present the group's token and the left rank."""
         self.right = peers.global_rank((peers.rank + 1) % peers.size)
         self.left = peers.global_rank((peers.rank - 1) % peers.size)
         self.out, self.inp, self.timeout_s = out, inp, timeout_s
@@ -324,9 +336,13 @@ def _connect(peers: Peers) -> RingLinks | None:
 
     1. every rank binds a listening socket on 127.0.0.1 (unless it is told not to) and publishes its
        mode, host, port and any error as ``offer/<r>``; all read all and decide the same (:func:`decide`);
-    2. each rank connects to its right neighbour's port and says who it is (a token from the store and
-       its group rank); it accepts one connection and checks that it is its left neighbour's;
-    3. every rank publishes ``linked/<r>`` (``ok`` or why not); any failure: all close, all use c10d.
+    2. each rank connects to its right neighbour's port and says who it is (16 random bytes rank 0 put in
+       the group's store, which only the group's members read, and its group rank); it accepts connections
+       until one presents that token and its left neighbour's rank, closing and counting any other (another
+       local process that connected first cannot switch the links off);
+    3. every rank publishes ``linked/<r>`` (``ok`` or why not); any failure: all close, all use c10d, and
+       group rank 0 logs once why (a warning, or INFO where the user asked for c10d or the group spans
+       hosts).
     """
     pg, n, r = peers.pg, peers.size, peers.rank
     timeout_s = _group_timeout(pg)
@@ -350,32 +366,26 @@ def _connect(peers: Peers) -> RingLinks | None:
         except OSError as e:
             offer["error"] = f"cannot listen on 127.0.0.1: {e}"
     if r == 0:
-        store.set("token", secrets.token_hex(8))
+        store.set("token", secrets.token_hex(_HELLO.size - 8))  # 16 random bytes: only members read the store
     store.set(f"offer/{r}", json.dumps(offer))
     answers = [
         json.loads(v) for v in _gather(store, "offer", n, peers, timeout_s, "the ring links' handshake")
     ]
     why = decide(answers)
     out = inp = None
+    refused = 0
     status = "ok"
     if why is None:
         assert listener is not None
-        token = _gather(store, "token", 0, peers, timeout_s, "the ring links' token")[0].encode()
+        token = bytes.fromhex(_gather(store, "token", 0, peers, timeout_s, "the ring links' token")[0])
         right, left = (r + 1) % n, (r - 1) % n
         try:  # a failed connect still accepts, so that the right neighbour of this rank is not left waiting
             out = socket.create_connection(("127.0.0.1", answers[right]["port"]), timeout=_ACCEPT_S)
             out.sendall(_HELLO.pack(token, r))
         except OSError as e:
             status = f"could not connect to group rank {right}: {e}"
-        try:
-            listener.settimeout(_ACCEPT_S)
-            inp, _ = listener.accept()
-            inp.settimeout(_ACCEPT_S)
-            got_token, got_rank = _HELLO.unpack(_recv_exact(inp, _HELLO.size))
-            if got_token != token or got_rank != left:
-                status = f"the connection accepted was not from group rank {left} (rank {got_rank})"
-        except OSError as e:
-            status = f"no connection from group rank {left}: {e}"
+        inp, refused, problem = _accept_left(listener, token, left)
+        status = problem or status
         for s in (out, inp):
             if s is not None:
                 s.settimeout(None)
@@ -386,12 +396,57 @@ def _connect(peers: Peers) -> RingLinks | None:
         statuses = _gather(store, "linked", n, peers, timeout_s, "the ring links' handshake")
         bad = [f"group rank {i}: {s}" for i, s in enumerate(statuses) if s != "ok"]
         why = "; ".join(bad) or None
+    if refused:  # on the rank that saw it
+        log.warning(
+            "ring links of group %s: group rank %d refused %d connection(s) that did not present the group's "
+            "token and its left neighbour's rank (another local process connected to its port)",
+            name,
+            r,
+            refused,
+        )
     if why is not None or out is None or inp is None:
         for s in (out, inp):
             if s is not None:
                 s.close()
+        if r == 0:  # once per group: every rank decided the same, for the same reason
+            user = why is not None and why.startswith(f"{ENV}=c10d")
+            (log.info if user or why == _NOT_ONE_HOST else log.warning)(
+                "ring of group %s: uses c10d's point-to-point, not its own TCP links: %s",
+                name,
+                why or "the handshake failed",
+            )
         return None
-    return RingLinks(peers, out, inp, timeout_s)
+    return RingLinks(peers, out, inp, timeout_s, refused)
+
+
+def _accept_left(listener: socket.socket, token: bytes, left: int) -> tuple[socket.socket | None, int, str]:
+    """The connection of group rank ``left``, which presents the group's ``token`` and its rank; any other
+    (a local process that connected first, or spoke garbage) is closed and counted, and accepting goes on
+    until ``_ACCEPT_S`` has passed. Returns ``(connection or None, refused, problem or "")``."""
+    deadline = time.monotonic() + _ACCEPT_S
+    refused = 0
+    while True:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            return (
+                None,
+                refused,
+                f"no connection from group rank {left} in {_ACCEPT_S:g} s ({refused} refused)",
+            )
+        try:
+            listener.settimeout(left_s)
+            conn, _ = listener.accept()
+        except OSError as e:
+            return None, refused, f"no connection from group rank {left}: {e} ({refused} refused)"
+        try:
+            conn.settimeout(min(_HELLO_S, left_s))
+            got_token, got_rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+        except (OSError, struct.error):
+            got_token, got_rank = b"", -1
+        if hmac.compare_digest(got_token, token) and got_rank == left:
+            return conn, refused, ""
+        conn.close()
+        refused += 1
 
 
 def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:

@@ -256,6 +256,28 @@ def check_open_files() -> Check:
     return Check("open files", "ok", detail)
 
 
+_PTRACE_SCOPES = {
+    "0": "classic: any process of the same user may trace or read the ranks",
+    "1": "restricted: only ancestors may trace a process; the shm direct path makes each rank traceable by "
+    "every process of the same user (PR_SET_PTRACER_ANY) for the rest of its life",
+    "2": "admin-only: the shm direct path is refused, and the shm transport copies through its slots",
+    "3": "no attach: the shm direct path is refused, and the shm transport copies through its slots",
+}
+
+
+def check_ptrace_scope(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> Check:
+    """Yama's ``kernel.yama.ptrace_scope``: whether the shm transport's direct path (process_vm_readv /
+    writev between ranks) is possible, and which processes it exposes the ranks' memory to (docs/comm.md)."""
+    name = "ptrace_scope"
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return Check(name, "ok", "no Yama (kernel.yama.ptrace_scope absent): same-user processes may trace")
+    meaning = _PTRACE_SCOPES.get(value, "unknown value")
+    return Check(name, "ok", f"kernel.yama.ptrace_scope={value} ({meaning})")
+
+
 def check_free_port() -> Check:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -393,6 +415,7 @@ def collect(
     checks += [
         _safe("/dev/shm", check_shm),
         _safe("open files", check_open_files),
+        _safe("ptrace_scope", check_ptrace_scope),
         _safe("free port", check_free_port),
         _safe("hostname", check_hostname, env, ifaces),
     ]
