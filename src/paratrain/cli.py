@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from paratrain import __version__
 from paratrain.config import LAUNCH, TRAIN, LaunchConfig, RunConfig, add_arguments, apply_arguments
@@ -116,8 +116,10 @@ def cmd_strategies(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from paratrain.diagnose.guard.launcher import resolve_guard_arguments
     from paratrain.launch import LaunchError, run_module, run_script
 
+    resolve_guard_arguments(args)  # --hang-timeout without --guard: refused, not ignored
     if args.slurm:
         from paratrain.config import cli_options
         from paratrain.launch.slurm import sbatch_script, srun_flags
@@ -247,7 +249,9 @@ def _bench(p: argparse.ArgumentParser) -> None:
     from paratrain.bench import scaling as scaling_bench
 
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    b = bench_sub.add_parser("comm", help="time collectives (native and paratrain's algorithms) over message sizes")
+    b = bench_sub.add_parser(
+        "comm", help="time collectives (native and paratrain's algorithms) over message sizes"
+    )
     comm_bench.add_arguments(b)
     b.set_defaults(func=comm_bench.main)
     b = bench_sub.add_parser(
@@ -287,9 +291,7 @@ def _command_of(argv: list[str]) -> str | None:
 def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with full arguments for the command named in ``argv`` only (every command when ``argv``
     is ``None``); the others are listed with their help line."""
-    parser = argparse.ArgumentParser(
-        prog="paratrain", description="Distributed PyTorch training, correct by construction."
-    )
+    parser = _Parser(prog="paratrain", description="Distributed PyTorch training, correct by construction.")
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = _command_of(argv) if argv is not None else None
@@ -309,14 +311,34 @@ def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are also one JSON object on stdout when ``--json`` was given
+    (``json_errors``, set by :func:`main`): a script reading the last line as JSON sees the refusal."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_errors:
+            _print_json_refusal(f"{self.prog}: error: {message}")
+        super().error(message)
+
+
+def _print_json_refusal(message: str) -> None:
+    print(json.dumps({"error": message, "exit_code": 2}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_errors = "--json" in argv
     parser = make_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(f"paratrain {args.command}: error: {e}", file=sys.stderr)
+        message = f"paratrain {args.command}: error: {e}"
+        print(message, file=sys.stderr)
+        if getattr(args, "json", False):
+            _print_json_refusal(message)  # every --json command's refusal is JSON too (stdout, last line)
         return 2
     except KeyboardInterrupt:
         return 130

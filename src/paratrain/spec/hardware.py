@@ -24,6 +24,7 @@ Sizes: ``"80GB"`` is 80e9 bytes (SI, as GPU memory is marketed and as the ZeRO p
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, replace
@@ -173,6 +174,13 @@ _SIZE_UNITS = {"": 1.0, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 _TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
+def _finite(value: float, what: str, text: str) -> float:
+    """``value`` unless it is infinite (``1e400GB`` reads as infinity): :class:`ConfigError`."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{what}: {text!r} is not a finite number; give e.g. 80GB.")
+    return value
+
+
 def parse_size(text: str | float, what: str = "size") -> float:
     """``"80GB"`` → 8e10, ``"80GiB"`` → 80·2^30, ``"1.5e9"`` → 1.5e9 bytes."""
     if isinstance(text, int | float):
@@ -183,7 +191,7 @@ def parse_size(text: str | float, what: str = "size") -> float:
         raise ConfigError(
             f"{what}: cannot read {text!r} as a size; write e.g. 80GB (1e9), 80GiB (2^30) or 8e10."
         )
-    return float(m.group(1)) * _SIZE_UNITS[unit]
+    return _finite(float(m.group(1)) * _SIZE_UNITS[unit], what, text)
 
 
 def parse_bandwidth(text: str | float, what: str = "bandwidth") -> float:
@@ -201,7 +209,7 @@ def parse_bandwidth(text: str | float, what: str = "bandwidth") -> float:
     key = unit.lower()
     if key not in _SIZE_UNITS:
         raise ConfigError(f"{what}: unknown unit in {text!r}; use B/s, KB/s, MB/s, GB/s, Gb/s or a number.")
-    return float(m.group(1)) * _SIZE_UNITS[key] / (8 if bits else 1)
+    return _finite(float(m.group(1)) * _SIZE_UNITS[key] / (8 if bits else 1), what, text)
 
 
 def parse_time(text: str | float, what: str = "latency") -> float:
@@ -273,20 +281,31 @@ def calibrate(path: str | Path, base: Cluster | None = None) -> Cluster:
     machine). ``gpus`` and ``gpus_per_node`` become the ranks the bench ran with.
     """
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO or a device would block or never end
+        raise ConfigError(
+            f"--calibrate {path}: not a regular file. Give the JSON file `paratrain bench comm --json` wrote."
+        )
     try:
-        doc = json.loads(p.read_text())
+        doc = json.loads(p.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(
             f"--calibrate {path}: no such file. Write one with `paratrain bench comm --json > FILE`."
         ) from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--calibrate {path}: cannot read it as JSON ({e}).") from None
-    points = [
-        (int(run["world_size"]), float(r["bytes"]), float(r["time_s"]))
-        for run in _runs(doc)
-        for r in run["results"]
-        if r.get("collective") == "all_reduce" and r.get("algorithm") == "native"
-    ]
+    except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8 (a binary file), not JSON
+        raise ConfigError(
+            f"--calibrate {path}: cannot read it as JSON ({type(e).__name__}: {str(e)[:120]})."
+        ) from None
+    try:
+        points = [
+            (int(run["world_size"]), float(r["bytes"]), float(r["time_s"]))
+            for run in _runs(doc)
+            for r in run["results"]
+            if r.get("collective") == "all_reduce" and r.get("algorithm") == "native"
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(
+            f"--calibrate {path}: not the JSON of `paratrain bench comm --json` ({type(e).__name__}: {e})."
+        ) from None
     if not points:
         raise ConfigError(
             f"--calibrate {path}: no native all_reduce rows; run `paratrain bench comm --collectives all_reduce "

@@ -24,6 +24,9 @@ from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, is_language_model
 
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive temperature: logits of a few hundred divided by it stay far from float32's range."""
+
 
 def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
     kind, size = parse_spec(cfg.data.tokenizer)
@@ -59,6 +62,13 @@ def generate(
             f"--max-new-tokens and --temperature must be >= 0 (a finite number) and --top-k >= 1; got "
             f"{max_new_tokens}, {temperature} and {top_k}."
         )
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ConfigError(
+            f"--temperature {temperature:g} is too small: the logits divided by it overflow to infinity. Use 0 "
+            f"for greedy sampling (the most likely token), or a value of at least {MIN_TEMPERATURE:g}."
+        )
+    if not 0 <= seed < 2**64:
+        raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed}.")
     step_dir = resolve_checkpoint(ckpt)  # verified (checksums included) before anything is built from it
     state = read_train_state(step_dir, step_of(step_dir))
     cfg = RunConfig.from_dict(state["config"], source=f"{step_dir}/train_state.json")

@@ -45,7 +45,7 @@ def add_guard_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hang-timeout",
         type=float,
-        default=DEFAULT_HANG_TIMEOUT,
+        default=None,
         metavar="S",
         help=f"with --guard: stop the job when a rank waits in a collective and no rank progressed for S "
         f"seconds (default {DEFAULT_HANG_TIMEOUT:.0f})",
@@ -59,11 +59,33 @@ def add_guard_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--check-desync-every",
         type=int,
-        default=DEFAULT_DESYNC_EVERY,
+        default=None,
         metavar="K",
         help=f"with --guard: compare parameters and buffers across replicas every K optimizer steps "
         f"(default {DEFAULT_DESYNC_EVERY}; 0: never)",
     )
+
+
+def resolve_guard_arguments(args: argparse.Namespace) -> None:
+    """Refuse ``--hang-timeout``/``--check-desync-every`` without ``--guard`` (they would be ignored), check
+    their values, and fill in the defaults. Raises :class:`ConfigError`."""
+    from paratrain.errors import ConfigError
+
+    given = [f for f, v in (("--hang-timeout", args.hang_timeout), ("--check-desync-every",
+             args.check_desync_every)) if v is not None]  # fmt: skip
+    if given and not args.guard:
+        raise ConfigError(
+            f"{' and '.join(given)} only act(s) with --guard, which is not given: add --guard, or leave "
+            f"{' and '.join(given)} out."
+        )
+    if args.hang_timeout is not None and not (0 < args.hang_timeout < float("inf")):
+        raise ConfigError(f"--hang-timeout must be a positive number of seconds, got {args.hang_timeout}.")
+    if args.check_desync_every is not None and args.check_desync_every < 0:
+        raise ConfigError(f"--check-desync-every must be >= 0 (0: never), got {args.check_desync_every}.")
+    if args.hang_timeout is None:
+        args.hang_timeout = DEFAULT_HANG_TIMEOUT
+    if args.check_desync_every is None:
+        args.check_desync_every = DEFAULT_DESYNC_EVERY
 
 
 def guarded_entry(
