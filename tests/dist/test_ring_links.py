@@ -190,33 +190,56 @@ def test_a_killed_neighbour_fails_the_ring_at_once_naming_it(tmp_path: Path, for
         assert r["elapsed"] < 10.0, r  # the group's timeout is 60 s: nothing waited for it
 
 
+def _listening_ports() -> set[int]:
+    """The TCP ports this process listens on (its sockets' inodes matched in /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.add(int(cols[1].split(":")[1], 16))
+    return ports
+
+
 def intruders_then_fallback_log() -> dict[str, Any]:
-    """A local process connects first to each rank's listening port (a burst of connections speaking
-    garbage, started the moment the port is published); then a group whose rank 1 asked for c10d."""
+    """A local process connects first to rank 0's listening port (a burst of connections speaking garbage,
+    started the moment the port opens); then a group whose rank 1 asked for c10d."""
     import logging
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    base = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
-    store = dist.PrefixStore("paratrain-ring/0", base)
+    before = _listening_ports()
     connected = []
 
     def intrude() -> None:
-        while not store.check([f"offer/{rank}"]):
-            time.sleep(0.0005)
-        port = json.loads(store.get(f"offer/{rank}"))["port"]
-        for _ in range(20):  # until the handshake is over and the port closed (or its backlog full)
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-                    s.sendall(b"\0" * _tcp._HELLO.size)
-                    connected.append(time.monotonic())
-            except OSError:
-                return
+        deadline = time.monotonic() + 30
+        while not (new := _listening_ports() - before) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for port in new:
+            for _ in range(3):  # the port's backlog holds a few; the handshake accepts them first
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                        s.sendall(b"\0" * _tcp._HELLO.size)
+                        connected.append(time.monotonic())
+                except OSError:
+                    return
 
     t = threading.Thread(target=intrude, daemon=True)
-    t.start()
+    if rank == 0:
+        t.start()
+    if rank == 1:
+        time.sleep(2)  # rank 0 waits for this rank's offer with its own port open: its intruders get in first
     x = torch.full((1000,), float(rank + 1))
     ring.all_reduce(x, "sum", peers("test", None))
-    t.join(timeout=30)
+    if rank == 0:
+        t.join(timeout=30)
     links = _links_of()
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
@@ -242,12 +265,39 @@ def intruders_then_fallback_log() -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_a_local_process_that_connects_first_does_not_switch_the_links_off_and_a_fallback_is_logged() -> None:
     outs = run_distributed(intruders_then_fallback_log, 2, timeout_s=100)
+    assert outs[0]["intruders"] >= 1 and outs[0]["refused"] >= 1  # they were there first, and refused
     for r, o in enumerate(outs):
-        assert o["intruders"] >= 1
         assert o["links"], f"rank {r}: the links were switched off by the intruders"
         assert o["sum"] == 3.0
         assert not o["sub_links"]
-    assert sum(o["refused"] for o in outs) > 0  # the intruders were there first at least once, and refused
     fallback = [m for m in outs[0]["logs"] if "uses c10d's point-to-point" in m]
     assert len(fallback) == 1 and "PARATRAIN_RING_LINKS=c10d on rank(s) [1]" in fallback[0], outs[0]["logs"]
     assert not [m for m in outs[1]["logs"] if "uses c10d's point-to-point" in m]  # once per group
+
+
+def signatures_checked_once() -> dict[str, Any]:
+    from paratrain import comm
+    from paratrain.comm._check import verified_signatures
+
+    rank = dist.get_rank()
+    a, b = torch.ones(8), torch.ones(16)
+    for _ in range(5):
+        comm.all_reduce(a.clone(), algorithm="ring")
+        comm.all_reduce(b.clone(), algorithm="ring")
+    checked = verified_signatures(dist.group.WORLD)
+    # each shape was checked before: the ranks now diverge between the two, and no all-gather runs
+    try:
+        comm.all_reduce(a.clone() if rank == 0 else b.clone(), algorithm="ring")
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"checked": checked, "error": error}
+
+
+@pytest.mark.timeout(120)
+def test_each_call_signature_is_checked_once_and_a_divergence_between_known_ones_is_still_caught() -> None:
+    outs = run_distributed(signatures_checked_once, 2, timeout_s=100)
+    for o in outs:
+        assert o["checked"] == 2  # two signatures, ten calls
+        assert o["error"] is not None and "disagree on the call" in o["error"], o["error"]
+        assert "8 elements" in o["error"] and "16 elements" in o["error"], o["error"]

@@ -208,6 +208,7 @@ def _over_links(
         if first == 0
         else "all_gather"
     )
+    _compare_layout(tcp, flat, pieces, op, first, last, what)
     piece_max = max(b - a for chunk in pieces for a, b in chunk)
     scratch = torch.empty(piece_max if first < n - 1 else 0, dtype=flat.dtype)
     sent: dict[tuple[int, int], int] = {}  # (step, piece) -> the links' send number
@@ -238,6 +239,60 @@ def _over_links(
             if t < last:
                 send(t, j)
     tcp.flush()  # the caller may write to ``flat`` once this returns
+
+
+_LAYOUT_WORDS = 6
+
+
+def _layout(flat: torch.Tensor, pieces: list[list[tuple[int, int]]], op: str, first: int, last: int) -> list[int]:
+    from paratrain.comm._check import dtype_code
+    from paratrain.comm._ops import OPS
+
+    return [first, last, OPS.index(op), dtype_code(flat.dtype), flat.numel(), len(pieces[0])]
+
+
+def _compare_layout(
+    tcp: RingLinks,
+    flat: torch.Tensor,
+    pieces: list[list[tuple[int, int]]],
+    op: str,
+    first: int,
+    last: int,
+    what: str,
+) -> None:
+    """The first message of every call over the links: this rank's layout (steps, op, dtype, elements,
+    pieces) to the right, the left neighbour's compared with it. The streams carry no headers otherwise,
+    so a neighbour making another call would misalign them; this catches it before any data moves, at
+    the cost of one 48-byte message sent ahead of the first piece (no extra round trip). On a mismatch
+    the links are closed, so the rest of the ring fails at once too."""
+    mine = torch.tensor(_layout(flat, pieces, op, first, last), dtype=torch.int64)
+    theirs = torch.empty(_LAYOUT_WORDS, dtype=torch.int64)
+    seq = tcp.send(mine, what)
+    tcp.recv(theirs, what)
+    tcp.wait_sent(seq)  # in the kernel's hands: ``mine`` is a local, and the right must get it before a close
+    if torch.equal(mine, theirs):
+        return
+    a, b = mine.tolist(), theirs.tolist()
+    tcp.close()
+
+    def show(v: list[int]) -> str:
+        from paratrain.comm._check import dtype_from_code
+        from paratrain.comm._ops import OPS
+
+        step = {(0, 2 * (tcp.peers.size - 1)): "all_reduce", (0, tcp.peers.size - 1): "reduce_scatter"}
+        kind = step.get((v[0], v[1]), "all_gather" if v[0] == tcp.peers.size - 1 else f"steps {v[0]}-{v[1]}")
+        try:
+            dtype: Any = dtype_from_code(v[3])
+        except ValueError:
+            dtype = "?"
+        op_name = OPS[v[2]] if 0 <= v[2] < len(OPS) else "?"
+        return f"ring {kind}, op {op_name!r}, {dtype}, {v[4]} elements"
+
+    raise ValueError(
+        f"{what}: the ranks of the group disagree on the call (every rank must call the same collective "
+        f"with the same algorithm, op, dtype and shape):\n  rank {tcp.peers.global_rank(tcp.peers.rank)}: "
+        f"{show(a)}\n  rank {tcp.left}: {show(b)}"
+    )
 
 
 def all_reduce(
