@@ -30,7 +30,9 @@ from paratrain.testing import call_until_the_last_rank_dies, run_distributed, ru
 def _links_of(group: Any = None) -> _tcp.RingLinks | None:
     pg = group if group is not None else dist.group.WORLD
     entry = _tcp._CACHE.get(id(pg))
-    assert entry is not None and entry.pg is pg and entry.decided, "no links decision was cached for the group"
+    assert entry is not None and entry.pg is pg and entry.decided, (
+        "no links decision was cached for the group"
+    )
     return entry.links
 
 

@@ -26,13 +26,19 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, str]:
     ("argv", "words"),
     [
         (["generate", "--ckpt", "nowhere", "--temperature", "1e-45"], "--temperature 1e-45 is too small"),
-        (["generate", "--ckpt", "nowhere", "--seed", "100000000000000000000000"], "--seed must be an integer"),
+        (
+            ["generate", "--ckpt", "nowhere", "--seed", "100000000000000000000000"],
+            "--seed must be an integer",
+        ),
         (["generate", "--ckpt", "nowhere", "--seed", "-1"], "--seed must be an integer"),
         (["generate", "--ckpt", "nowhere", "--seed", "1e23"], "invalid int value: '1e23'"),
         (["plan", "--model", "llama-debug", "--gpu-mem", "1e400GB"], "'1e400GB' is not a finite number"),
         (["plan", "--model", "llama-debug", "--intra-bw", "1e400GB/s"], "not a finite number"),
         (["launch", "--hang-timeout", "5", "script.py"], "--hang-timeout only act(s) with --guard"),
-        (["launch", "--check-desync-every", "2", "script.py"], "--check-desync-every only act(s) with --guard"),
+        (
+            ["launch", "--check-desync-every", "2", "script.py"],
+            "--check-desync-every only act(s) with --guard",
+        ),
         (["launch", "--guard", "--hang-timeout", "inf", "script.py"], "--hang-timeout must be a positive"),
     ],
 )
@@ -44,7 +50,9 @@ def test_bad_values_are_refused_with_one_message(
     assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1, err
 
 
-def test_plan_calibrate_refuses_a_binary_file_and_a_fifo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_plan_calibrate_refuses_a_binary_file_and_a_fifo(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     binary = tmp_path / "bin"
     binary.write_bytes(bytes(range(256)) * 4)
     _out, err = _refused(capsys, "plan", "--model", "llama-debug", "--calibrate", str(binary))

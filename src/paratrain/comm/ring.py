@@ -244,7 +244,9 @@ def _over_links(
 _LAYOUT_WORDS = 6
 
 
-def _layout(flat: torch.Tensor, pieces: list[list[tuple[int, int]]], op: str, first: int, last: int) -> list[int]:
+def _layout(
+    flat: torch.Tensor, pieces: list[list[tuple[int, int]]], op: str, first: int, last: int
+) -> list[int]:
     from paratrain.comm._check import dtype_code
     from paratrain.comm._ops import OPS
 
