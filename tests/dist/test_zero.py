@@ -280,3 +280,41 @@ def test_checkpoint_save_load_across_strategies(dist_run: Any, tmp_path: Any) ->
     fresh.step()
     diff = max((p.detach() - out["zero3:continued"][1][n]).abs().max().item() for n, p in model.named_parameters())
     assert diff > 1e-4
+
+
+def _zero2_frees_during_backward() -> dict[str, Any]:
+    from paratrain.parallel import setup
+    from paratrain.runtime import init
+
+    ctx = init(seed=0)
+    torch.manual_seed(0)
+    model = MLP(16, 256, 4, 5)  # 256x256 weights (256 KiB): its own bucket at the cap below
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = setup(model, opt, strategy="zero2", ctx=ctx, bucket_cap_mb=0.2)
+    inner = getattr(opt, "buckets", None) and opt
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    seen: list[tuple[int, int]] = []  # per gradient hook (after zero2's): live send buffers, live full grads
+    params = list(model.parameters())
+
+    def sample(_p: torch.Tensor) -> None:
+        sends = sum(b.send is not None for b in inner.buckets)
+        grads = sum(p.grad is not None for p in params)
+        seen.append((sends, grads))
+
+    for step in range(2):
+        hooks = [p.register_post_accumulate_grad_hook(sample) for p in params] if step else []
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        for h in hooks:
+            h.remove()
+    return {"buckets": len(inner.buckets), "seen": seen}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_zero2_keeps_one_send_buffer_and_no_full_gradient_during_backward(dist_run: Any) -> None:
+    for r in dist_run(_zero2_frees_during_backward, 2):
+        assert r["buckets"] >= 3, r["buckets"]
+        assert max(s for s, _ in r["seen"]) == 1, r["seen"]  # one full-size send buffer at a time
+        assert max(g for _, g in r["seen"]) == 0, r["seen"]  # each gradient freed by its own hook

@@ -509,13 +509,21 @@ def test_ddp_and_zero_peak_moments_by_hand() -> None:
     # step() waits for the reduce-scatter: full grads, the send buffer, Gloo's copy of it, the reduced shard
     assert zero1.phase == "step() waits for the reduce-scatters"
     assert zero1.total == (8 * psi + 8 * psi / n) + 4 * psi + 4 * psi + 4 * psi / n + 99
-    # a model of many 25 MiB buckets: at most 2 send buffers in flight, Gloo copies the one being reduced
+    # a model of many 25 MiB buckets: zero2 keeps one send buffer (the next bucket waits for the previous
+    # reduction), zero1 up to 2 in flight; Gloo copies the one being reduced (CPU only)
     huge = 1e9
     many = _step(
         states=mem.model_states(huge, 8, "grads", d), psi=huge, sharding="grads", n=8, dp=8, cpu=False
     )
     wait = {m.phase: m for m in pk.moments(many)}["step() waits for the reduce-scatters"]
-    assert wait.terms["send buffers"] == 2 * 25 * 2**20 and "gloo reduce-scatter copy" not in wait.terms
+    assert wait.terms["send buffers"] == 25 * 2**20 and "gloo reduce-scatter copy" not in wait.terms
+    many1 = _step(
+        states=mem.model_states(huge, 8, "optimizer", d), psi=huge, sharding="optimizer", n=8, dp=8, cpu=False
+    )
+    wait1 = {m.phase: m for m in pk.moments(many1)}["step() waits for the reduce-scatters"]
+    assert wait1.terms["send buffers"] == 2 * 25 * 2**20
+    gather = {m.phase: m for m in pk.moments(many)}["all-gather of the updated rows"]
+    assert gather.terms["all-gather buffer"] == 25 * 2**20  # in place: no second buffer for this rank's rows
     # on a GPU, foreach AdamW's sqrt over every state this rank holds (Ψ/N x 4) is then the peak
     assert pk.peak(many).terms["optimizer temporaries"] == 4 * huge / 8
 

@@ -27,14 +27,17 @@ rank-major so that one collective moves a whole bucket):
 
    - ``zero1``: the full local gradients stay in ``p.grad`` (ZeRO-1 keeps 4Ψ of gradients); the reduced
      rows are a transient buffer, dropped after ``step()``.
-   - ``zero2``: once a bucket's gradients are in the send buffer they are freed (``p.grad = None``), so
-     only the reduced 4Ψ/N shard survives until the next ``zero_grad()``.
+   - ``zero2``: only the reduced 4Ψ/N shard survives until the next ``zero_grad()``.
 
-   A bucket's full-size send buffer lives only while its reduction runs: before packing the next bucket,
-   the hook frees the send buffers of the reductions that have completed (``is_completed()``) and, if
-   ``MAX_IN_FLIGHT`` are still running, waits for the oldest. So zero2's gradient memory peaks at the
-   4Ψ/N shard plus ``MAX_IN_FLIGHT`` send buffers (and the gradients of the bucket being filled), not
-   at the 4Ψ + 4Ψ/N of keeping every send buffer until ``step()``.
+   - ``zero2``: each gradient is copied into its bucket's send buffer by its own hook, the moment it is
+     ready, and freed there (``p.grad = None``); every hook first frees the send buffers of reductions
+     that have completed (``is_completed()``), and a bucket's first gradient waits for the previous
+     bucket's reduction before its send buffer is allocated. So one full-size send buffer exists at a
+     time: zero2's gradient memory peaks at one bucket, the 4Ψ/N shard and one fresh gradient, and the
+     step's at 4Ψ + 12Ψ/N + one bucket (the reduction of a bucket overlaps the backward of the first
+     gradient of the next, and its own filling with nothing: memory over overlap, as ZeRO-2 promises).
+   - ``zero1``: a bucket is packed when its last gradient is ready; its send buffer lives while its
+     reduction runs, ``MAX_IN_FLIGHT`` at most (the oldest is waited for).
 
    With ``--comm-algorithm shm`` the reduce-scatters run through one shared-memory segment of the
    group's ranks (:func:`~paratrain.comm.communicator.sharded_communicator`, ``reduce_scatter``: torch's
@@ -43,9 +46,10 @@ rank-major so that one collective moves a whole bucket):
    at a time.
 2. ``step()`` waits for every reduce-scatter, (optionally clips with a global norm: one all-reduce of a
    scalar), and runs the user's optimizer on the owned rows.
-3. parameters: ``all_gather`` of each bucket's updated rows, async, at most ``MAX_IN_FLIGHT`` at once (the
-   oldest is waited for and copied into the full parameters before the next is launched, so the full-size
-   gather buffers of all buckets never exist together). Every rank again holds identical full parameters.
+3. parameters: ``all_gather`` of each bucket's updated rows, in place in the bucket's full-size buffer,
+   async, at most ``MAX_IN_FLIGHT`` at once for zero1 and one for zero2 (the oldest is waited for and
+   copied into the full parameters before the next is launched, so the full-size gather buffers of all
+   buckets never exist together). Every rank again holds identical full parameters.
 
 An all-reduce is exactly a reduce-scatter followed by an all-gather, so ZeRO-1/2 send the same 2Ψ per rank
 as DDP's all-reduce ("gradients are all-reduced": the all-reduce is split around the sharded update).
@@ -162,9 +166,30 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         if not self.require_sync:
             return  # accumulation micro-step: keep the full gradient locally
         bucket = self._bucket_of[p]  # type: ignore[index]
+        if self.shard_gradients:
+            # ZeRO-2, during backward: free the send buffers of the reductions that have finished, then move
+            # this gradient into its bucket's send buffer and free it at once, so full-size gradients never
+            # pile up waiting for the rest of their bucket.
+            self._retire(keep=MAX_IN_FLIGHT)
+            self._pack_grad(bucket, p)
         bucket.ready += 1
         if bucket.ready == len(bucket.slots):
             self._launch_reduce(bucket)
+
+    @torch.no_grad()
+    def _pack_grad(self, b: _Bucket, p: torch.Tensor) -> None:
+        """ZeRO-2: copy ``p``'s gradient into bucket ``b``'s send buffer and free it. The buffer is allocated
+        by the bucket's first gradient, once the previous bucket's reduction has finished and its buffer is
+        freed: ZeRO-2's gradient memory is one bucket, the reduced 4Ψ/N shard and one fresh gradient."""
+        g = p.grad
+        if g is None:
+            return
+        if b.send is None:
+            self._retire(keep=0)  # one full-size send buffer at a time: the previous bucket's reduction ends
+            b.send = torch.zeros(self.world * b.segment, dtype=g.dtype, device=g.device)
+        s = self._slots[p]  # type: ignore[index]
+        self._pack(self._rank_major(b.send, b, s), g.reshape(-1), s)
+        p.grad = None
 
     @torch.no_grad()
     def _launch_reduce(self, b: _Bucket) -> None:
@@ -173,13 +198,15 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
             for s in b.slots:
                 s.shard.grad = s.param.grad.view_as(s.shard) if s.param.grad is not None else None
             return
-        self._retire(keep=MAX_IN_FLIGHT - 1)  # free finished send buffers before allocating this one
         first = b.slots[0].param
-        send = torch.zeros(self.world * b.segment, dtype=first.dtype, device=first.device)
+        send = b.send  # zero2: the hooks already packed this bucket's gradients into it
+        if send is None:
+            self._retire(keep=MAX_IN_FLIGHT - 1)  # free finished send buffers before allocating this one
+            send = torch.zeros(self.world * b.segment, dtype=first.dtype, device=first.device)
         for s in b.slots:
             g = s.param.grad
             if g is None:
-                continue  # a parameter without gradient contributes zeros
+                continue  # packed (and freed) by a zero2 hook, or no gradient: it contributes zeros
             self._pack(self._rank_major(send, b, s), g.reshape(-1), s)
             if self.shard_gradients:
                 s.param.grad = None  # ZeRO-2: the full gradient is freed once it is in the send buffer
@@ -257,27 +284,30 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
                 for s in b.slots:
                     self._unpack(self._rank_major(full, b, s), s.param.data.view(-1), s)
             return
-        # At most MAX_IN_FLIGHT gathers (and their full-size buffers) at once: the oldest is waited for
-        # and unpacked into the parameters before the next is launched.
+        # At most MAX_IN_FLIGHT gathers (and their full-size buffers) at once, one for zero2 (its peak is
+        # one bucket): the oldest is waited for and unpacked into the parameters before the next starts.
+        in_flight = 1 if self.shard_gradients else MAX_IN_FLIGHT
         pending: deque[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = deque()
         for i, b in enumerate(self.buckets):
             full, mine = self._gather_buffers(b)
             pending.append(
                 (b, full, mine, dist.all_gather_single(full, mine, group=self.group, async_op=True))
             )
-            while pending and (len(pending) >= MAX_IN_FLIGHT or i == len(self.buckets) - 1):
+            while pending and (len(pending) >= in_flight or i == len(self.buckets) - 1):
                 done, full, _mine, work = pending.popleft()
                 work.wait()
                 for s in done.slots:
                     self._unpack(self._rank_major(full, done, s), s.param.data.view(-1), s)
 
     def _gather_buffers(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the full rank-major output, this rank's segment holding its updated rows) of bucket ``b``."""
+        """(the full rank-major output, this rank's segment of it holding its updated rows) of bucket ``b``:
+        the all-gather runs in place (its input is its own slice of the output), with no second buffer."""
         first = b.slots[0].param
-        mine = torch.zeros(b.segment, dtype=first.dtype, device=first.device)
+        full = torch.zeros(self.world * b.segment, dtype=first.dtype, device=first.device)
+        mine = full[self.rank * b.segment : (self.rank + 1) * b.segment]
         for s in b.slots:
             mine[s.offset : s.offset + s.owned_numel].copy_(s.shard.reshape(-1))
-        return torch.empty(self.world * b.segment, dtype=first.dtype, device=first.device), mine
+        return full, mine
 
     def _drop_reduced(self) -> None:
         for b in self.buckets:

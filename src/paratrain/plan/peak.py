@@ -24,14 +24,15 @@ the peak is the largest of them:
    after forward too, so when backward starts no unit is unsharded; the root is gathered again for its
    backward, right after the loss's, and stays until the end.)
 3. **ZeRO-1/2: ``step()`` waits for the reduce-scatters** (``parallel/zero.py``) launched during backward: full
-   gradients (ZeRO-1; ZeRO-2 frees each gradient once it is in the send buffer), the send buffers of at most
-   ``MAX_IN_FLIGHT`` = 2 buckets, Gloo's copy of the one being reduced, and the reduced shard Ψ/N. The
-   activations are gone.
+   gradients (ZeRO-1; ZeRO-2 frees each gradient in its own hook, once it is in the send buffer), the send
+   buffers of at most ``MAX_IN_FLIGHT`` = 2 buckets (ZeRO-2: one, the next bucket waits for the previous
+   reduction), Gloo's copy of the one being reduced, and the reduced shard Ψ/N. The activations are gone.
 4. **The optimizer update.** States with the gradients the step reads, DDP's buckets, ZeRO-1's reduced shard,
    and the optimizer's temporaries. torch's Adam/AdamW on CPU runs the single-tensor loop: ``exp_avg_sq.sqrt()``
    and its quotient are two temporaries of one parameter's size (2 × the largest local tensor). On CUDA it
    defaults to ``foreach``: ``_foreach_sqrt`` of every state at once (Ψ × 4). SGD updates in place.
-5. **ZeRO-1/2: the all-gather of the updated rows**: a bucket's full-size buffer and this rank's rows.
+5. **ZeRO-1/2: the all-gather of the updated rows**: a bucket's full-size buffer (in place: this rank's rows
+   are its own slice of it).
 
 Not modelled: the rotary tables and other module buffers (16 KiB for llama-debug), Python/allocator overhead,
 a data loader's larger storage behind a batch slice, and on a GPU the CUDA context, NCCL buffers and
@@ -168,7 +169,9 @@ def moments(s: StepShape) -> list[Peak]:
         out += _fsdp_unit_moments(s, base)
     sharded_opt = s.sharding in ("optimizer", "grads") and n > 1
     if sharded_opt:
-        send = min(s.psi * g, MAX_IN_FLIGHT * s.bucket_bytes)
+        # zero2 keeps one full-size send buffer at a time (the next bucket waits for the previous
+        # reduction); zero1 up to MAX_IN_FLIGHT
+        send = min(s.psi * g, (1 if s.sharding == "grads" else MAX_IN_FLIGHT) * s.bucket_bytes)
         wait = {**base, "grads": st.grads if s.sharding == "optimizer" else 0.0, "send buffers": send,
                 "reduced shard": s.psi * g / n, "batch": s.batch}  # fmt: skip
         if s.cpu:
@@ -188,5 +191,5 @@ def moments(s: StepShape) -> list[Peak]:
     if sharded_opt:
         gathered = min(s.psi * s.d.param, s.bucket_bytes)
         out.append(Peak("all-gather of the updated rows", {**base, "grads": st.grads * dev, "batch": s.batch,
-                                                               "all-gather buffer": gathered * (1 + 1 / n)}))  # fmt: skip
+                                                               "all-gather buffer": gathered}))  # fmt: skip
     return out
