@@ -67,8 +67,8 @@ def add_guard_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_guard_arguments(args: argparse.Namespace) -> None:
-    """Refuse ``--hang-timeout``/``--check-desync-every`` without ``--guard`` (they would be ignored), check
-    their values, and fill in the defaults. Raises :class:`ConfigError`."""
+    """Refuse ``--hang-timeout``/``--check-desync-every`` without ``--guard`` (they would be ignored) and
+    fill in the defaults (their values are checked by :func:`launch_guarded`). Raises :class:`ConfigError`."""
     from paratrain.errors import ConfigError
 
     given = [f for f, v in (("--hang-timeout", args.hang_timeout), ("--check-desync-every",
@@ -78,10 +78,6 @@ def resolve_guard_arguments(args: argparse.Namespace) -> None:
             f"{' and '.join(given)} only act(s) with --guard, which is not given: add --guard, or leave "
             f"{' and '.join(given)} out."
         )
-    if args.hang_timeout is not None and not (0 < args.hang_timeout < float("inf")):
-        raise ConfigError(f"--hang-timeout must be a positive number of seconds, got {args.hang_timeout}.")
-    if args.check_desync_every is not None and args.check_desync_every < 0:
-        raise ConfigError(f"--check-desync-every must be >= 0 (0: never), got {args.check_desync_every}.")
     if args.hang_timeout is None:
         args.hang_timeout = DEFAULT_HANG_TIMEOUT
     if args.check_desync_every is None:
