@@ -128,8 +128,9 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout_and_is_reported_frozen(tm
         proc.kill()
         proc.wait()
     assert proc.returncode != 0
-    # the peers time out at --timeout and name rank 1; its teardown then takes no 30 s of SIGTERM grace
-    assert took < timeout_s + 12, f"the job took {took:.0f}s after the freeze (--timeout {timeout_s})\n{err}"
+    # the peers time out at --timeout and name rank 1 (2.5 s of heartbeats); its teardown then takes no 30 s
+    # of SIGTERM grace (before the watch: 51 s). The slack is for a loaded 2-core machine (20.5 s seen there)
+    assert took < timeout_s + 18, f"the job took {took:.0f}s after the freeze (--timeout {timeout_s})\n{err}"
     assert "rank 1 was frozen (process stopped" in err, err
     assert "killed by the launcher (SIGKILL)" in err, err
     assert "    rank 0: exited (exit code 1)" in err, err
