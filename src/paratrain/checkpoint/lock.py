@@ -35,6 +35,7 @@ from typing import Any
 from paratrain.checkpoint.integrity import COMMIT_FILE
 from paratrain.checkpoint.layout import LATEST_FILE, step_of
 from paratrain.errors import ConfigError
+from paratrain.procfs import pid_alive, start_time
 
 LOCK_FILE = ".lock"
 _LEFTOVER_RE = re.compile(r"^(\.step_\d{8,}\.(tmp|old)(-.*)?|latest\.tmp(-.*)?|\.paratrain-probe-.*)$")
@@ -98,22 +99,12 @@ def preflight_checkpoint_dir(path: str | Path) -> None:
 # ---- the lock -----------------------------------------------------------------------------------------------
 def _proc_start(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (tells a reused pid from the original)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    return start_time(pid)
 
 
 def _alive(pid: int, pid_start: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    now = _proc_start(pid)
-    return pid_start is None or now is None or now == pid_start
+    """The holder runs (a zombie holder has exited: its lock is stale) and is the recorded process."""
+    return pid_alive(pid, pid_start)
 
 
 def _describe(info: dict[str, Any]) -> str:

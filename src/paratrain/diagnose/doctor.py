@@ -42,6 +42,7 @@ from paratrain.diagnose.doctor_net import (
 )
 from paratrain.diagnose.doctor_selftest import find_slow_ranks, run_selftest, selftest_checks, skipped
 from paratrain.errors import ConfigError
+from paratrain.procfs import stat_fields
 
 __all__ = ["Check", "add_arguments", "collect", "find_slow_ranks", "main", "run"]
 
@@ -376,8 +377,9 @@ def process_age() -> float:
     """Seconds since this process started (Linux ``/proc``; 0 where unknown): the interpreter's start-up and
     the imports before :func:`collect` runs count against ``--timeout`` too."""
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
+        fields = stat_fields("self")
+        if fields is None:
+            return 0.0
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot

@@ -17,6 +17,8 @@ import time
 import uuid
 from typing import Any
 
+from paratrain.procfs import child_pids, pid_alive
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -210,29 +212,8 @@ def guarded_backend(
 
 
 def _live_child_pids(pid: int) -> list[int]:
-    out = []
-    for child in _child_pids(pid):
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":  # an exited, not yet reaped worker
-                    out.append(child)
-        except OSError:
-            continue
-    return out
-
-
-def _child_pids(pid: int) -> list[int]:
-    out: list[int] = []
-    task_dir = f"/proc/{pid}/task"
-    if not os.path.isdir(task_dir):
-        return out
-    for tid in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
+    """Children of ``pid`` that run (an exited, not yet reaped worker is not one)."""
+    return [child for child in child_pids(pid) if pid_alive(child)]
 
 
 def grace_s(timeout_s: float) -> float:

@@ -20,6 +20,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from paratrain.procfs import child_pids, process_state
+
 
 @dataclass
 class _Worker:
@@ -94,25 +96,8 @@ class WorkerWatch:
 
 def _child_states(pid: int) -> dict[int, str]:
     """``{child pid: one-letter state}`` of this process's children (``Z``: exited, not yet reaped)."""
-    out: dict[int, str] = {}
-    task_dir = f"/proc/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"{task_dir}/{tid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        for child in children:
-            try:
-                with open(f"/proc/{child}/stat") as f:
-                    out[child] = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-    return out
+    states = {child: process_state(child) for child in child_pids(pid)}
+    return {child: state for child, state in states.items() if state is not None}
 
 
 def _worker_identity(pid: int) -> tuple[int, str] | None:

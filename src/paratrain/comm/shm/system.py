@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from paratrain.procfs import start_time
+
 SEGMENT_PREFIX = "paratrain-shm-"
 """Every segment name starts with this (``/dev/shm/paratrain-shm-...``)."""
 
@@ -114,15 +116,9 @@ def _pid_namespace() -> int:
 
 
 def _start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22); ``None`` if gone
-    or a zombie (a SIGKILLed child nobody has reaped yet is dead for our purpose)."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may contain spaces and parentheses
-    if not fields or fields[0] in ("Z", "X", "x"):
-        return None
-    return int(fields[19])
+    """Start time of ``pid`` in clock ticks since boot; ``None`` if gone or a zombie (a SIGKILLed child nobody
+    has reaped yet is dead for our purpose)."""
+    return start_time(pid)
 
 
 def _host_info() -> dict[str, Any]:

@@ -28,6 +28,7 @@ from paratrain.diagnose.guard.bootstrap import DEFAULT_DESYNC_EVERY, DEFAULT_HAN
 from paratrain.diagnose.guard.record import RankView, read_file
 from paratrain.diagnose.guard.summary import summarize, summary_json, summary_line
 from paratrain.errors import ConfigError
+from paratrain.procfs import pid_alive
 
 BOOTSTRAP = "paratrain.diagnose.guard.bootstrap"
 
@@ -107,23 +108,9 @@ def guarded_entry(
     return [*entry, "--", *(["-m"] if module else []), script, *script_args]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
 def _liveness(views: dict[int, RankView]) -> Callable[[int], bool]:
     pids = {r: v.pid for r, v in views.items()}
-    return lambda r: _alive(pids[r])
+    return lambda r: pid_alive(pids[r])
 
 
 class GuardMonitor:
@@ -210,13 +197,13 @@ class GuardMonitor:
     def _terminate(self, pids: list[int]) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
-                if _alive(pid):
+                if pid_alive(pid):
                     try:
                         os.kill(pid, sig)
                     except OSError:
                         pass
             deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
                 time.sleep(0.05)
 
 
