@@ -66,3 +66,17 @@ def test_selective_peak_lies_between_full_and_none(tmp_path: Path) -> None:
             torch.testing.assert_close(runs[ac][2][name], want, rtol=1e-5, atol=1e-5, msg=ac)
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     assert peaks["full"] < peaks["selective:2"] < peaks["none"], peaks
+    # the planner's op-by-op model of each mode (plan/implementation.py) predicts the measured peak
+    from paratrain.plan.api import Workload, plan
+    from paratrain.plan.model import shape_from_config, spec_from_shape
+    from paratrain.spec.hardware import preset
+    from paratrain.spec.llama import resolve_config
+
+    shape = dict(dim=32, n_layers=6, ffn_hidden=64, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=256)
+    spec = spec_from_shape(shape_from_config(resolve_config("llama-debug", shape)), "llama")
+    for ac, measured in peaks.items():
+        w = Workload(batch_size=8, seq_len=128, activation_checkpointing=ac, precision="fp32")
+        predicted = plan(spec, preset("cpu-local").with_gpus(1), w, "single")["plans"][0]["bytes_per_rank"][
+            "peak"
+        ]
+        assert predicted == pytest.approx(measured, rel=0.10), (ac, predicted, measured)

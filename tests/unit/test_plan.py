@@ -81,7 +81,7 @@ def test_gpt3_activations_match_korthikanti_by_hand() -> None:
     shape = FALLBACK_SHAPES["gpt3-175b"]
     # full recomputation keeps 2sbh per layer (2sbh/t with SP) plus one layer's working set
     kept = act.stage(shape, layers=L, first=False, last=False, s=S, b=1, t=T, sp=True, attention="eager",
-                     recompute=True)  # fmt: skip
+                     checkpointing="full")  # fmt: skip
     assert kept == pytest.approx(96 * 2 * sbh / 8 + sbh * (34 / 8 + 5 * as_h / 8))
     # the whole model on one stage: 96 layers + embedding dropout mask sbh/t + final LN and output inputs
     # 2·2sbh/t + logits s·b·V·(2 + 4)/t

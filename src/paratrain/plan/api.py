@@ -31,7 +31,13 @@ from paratrain.plan import peak as pk
 from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec, ParamGroup
-from paratrain.plan.time import model_flops_per_sample, stage_flops_per_sample, step_time
+from paratrain.plan.time import (
+    model_flops_per_sample,
+    recompute_fraction,
+    stage_flops_per_sample,
+    step_time,
+    tp_rerun,
+)
 from paratrain.spec.hardware import Cluster
 
 DEFAULT_BATCH = 64
@@ -49,7 +55,8 @@ class Workload:
     grad_accum: int = 1
     microbatches: int | None = None
     """Pipeline micro-batches per accumulation step; None: one sample each (the smallest bubble)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | bool = "none"
+    """``none``, ``full``, ``selective`` (op-level) or ``selective:N`` (``true``/``false``: full/none)."""
     optimizer: str = "adamw"
     momentum: float = 0.9
     precision: str = "fp32"
@@ -64,6 +71,10 @@ class Workload:
     gradient_as_bucket_view: bool = False
 
     def __post_init__(self) -> None:
+        mode, every = act.checkpoint_policy(self.activation_checkpointing)
+        object.__setattr__(
+            self, "activation_checkpointing", f"selective:{every}" if mode == "every" else mode
+        )
         mem.dtypes(self.precision, self.optimizer, self.momentum)  # validates both
         if self.attention not in act.ATTENTION:
             raise ConfigError(f"attention {self.attention!r}: choose one of {', '.join(act.ATTENTION)}.")
@@ -146,7 +157,8 @@ def evaluate(
     """One plan (the JSON contract's ``plans`` item) for a validated layout."""
     batch = _batch(spec, layout, w, cluster.gpus)
     d = mem.dtypes(w.precision, w.optimizer, w.momentum)
-    t, n, recompute = layout.tp, layout.dp_shard, w.activation_checkpointing
+    t, n, ac = layout.tp, layout.dp_shard, str(w.activation_checkpointing)
+    mode, every = act.checkpoint_policy(ac)
     sp = w.sequence_parallel and t > 1
     rate = cluster.gpu_flops * cluster.efficiency
     samples = batch.global_batch / layout.dp
@@ -168,27 +180,39 @@ def evaluate(
                 sh, s_, b_ = spec.shape, batch.seq_len, batch.size
                 reference = act.stage(
                     sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp, attention=w.attention,
-                    act_bytes=d.activation, recompute=recompute, micro=micro,
+                    act_bytes=d.activation, checkpointing=ac, micro=micro,
                 )  # fmt: skip
                 if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
                     activations = impl.stage(
                         sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp,
                         loss_parallel=w.loss_parallel and t > 1, attention=w.attention, act_bytes=d.activation,
-                        recompute=recompute, micro=micro,
+                        checkpointing=ac, micro=micro,
                     )  # fmt: skip
                     per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+                    selective = impl.layer_selective(sh, s_, b_, t, sp, d.activation)
                     loss_grad = impl.loss_grad(sh, s_, b_, t, w.loss_parallel and t > 1) if last else 0.0
                     before = micro * impl.first_extra(sh, s_, b_) if first else 0.0
                 else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
                     activations = reference
                     per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+                    selective = act.llama_layer_selective(sh, s_, b_, t, sp, d.activation)
                     loss_grad = before = 0.0
-                kept = (s_ * b_ * sh.dim * d.activation / (t if sp else 1)) if recompute else per_layer
-                shape_kw = {"unit_activations": (micro * kept,) * len(groups), "before_units": before,
+                inp = s_ * b_ * sh.dim * d.activation / (t if sp else 1)
+                working = act.kept_layers(mode, every, len(groups), per_layer, inp, selective)[1]
+                activations -= working  # live only while a layer recomputes: its own moment (plan/peak.py)
+                released = 0.0
+                if last:
+                    released = (impl.last_extra(sh, s_, b_, t, sp, w.loss_parallel and t > 1, d.activation)
+                                if sh.arch == "llama" else act.last_extra(sh, s_, b_, t, sp, d.activation))  # fmt: skip
+                kept = [act.kept_layers(mode, every, 1, per_layer, inp, selective)[0]] * len(groups)
+                if mode == "every":  # the N-th, 2N-th, ... layers of the stage are checkpointed
+                    kept = [inp if (j + 1) % every == 0 else per_layer for j in range(len(groups))]
+                shape_kw = {"unit_activations": tuple(micro * k for k in kept), "before_units": before,
                             "unit_input_grad": s_ * b_ * sh.dim * d.activation / (t if sp else 1),
-                            "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64}  # fmt: skip
+                            "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64,
+                            "recompute_working": working, "released_before_recompute": micro * released}  # fmt: skip
             elif spec.profile is not None:
-                reference = activations = act.module(spec.profile, batch.size, d.activation, recompute)
+                reference = activations = act.module(spec.profile, batch.size, d.activation, mode != "none")
                 prof, scale = spec.profile, batch.size * d.activation / 4
                 shape_kw = {"unit_activations": tuple(x * scale for x in prof.blocks_saved),
                             "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
@@ -213,10 +237,12 @@ def evaluate(
             layout=layout, sharding=sharding, psi=psi, grad_bytes=d.compute if sharding == "full" else d.grad,
             param_bytes=d.param, compute_bytes=d.compute, units=len(groups) + 1,
             bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=len(groups),
-            passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=recompute, first=first, last=last,
+            passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=first,
+            last=last,
         )  # fmt: skip
-        flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, recompute) * samples / t
-        st = step_time(flops / rate, recompute, [(op, link_for(layout, op.axis, cluster)) for op in ops],
+        redo = recompute_fraction(spec, mode, every)
+        flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, redo) * samples / t
+        st = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
                        micro=batch.micro, accum=batch.accum, pp=layout.pp)  # fmt: skip
         comm: dict[str, int] = {}
         for op in ops:
@@ -244,7 +270,7 @@ def evaluate(
     return {
         "strategy": strategy,
         "layout": layout.to_dict(),
-        "activation_checkpointing": recompute,
+        "activation_checkpointing": ac,
         "bytes_per_rank": best["bytes_per_rank"],
         "model_state_bytes_per_rank": best["model_state_bytes_per_rank"],
         "fits": best["fits"],

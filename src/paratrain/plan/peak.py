@@ -12,6 +12,11 @@ the peak is the largest of them:
    without FSDP, the 16-bit copy of every weight that forward used (autocast's cast cache, 2Ψ).
    With ``--grad-accum K > 1`` (or a pipeline stage's later micro-batches) a *later* backward starts with
    the full local gradients accumulated so far as well (no synchronisation before the last micro-step).
+1b. **A checkpointed layer recomputes** (full, selective or every N-th layer): the last layer's backward reruns
+   its forward, so its full activations exist again, on top of what the other layers keep and the gradient
+   w.r.t. its output; the loss's logits-sized tensors (the last stage's extras, the loss gradient) are freed by
+   then. Measured (``tests/dist/test_selective_ac.py``): with a large vocabulary the loss's moment is higher,
+   with a small one this.
 2. **FSDP: a unit's post-backward** (``_fsdp_param_group.post_backward``), for each unit u, last to first.
    FSDP2 first reshards u's parameters, then ``foreach_reduce`` copies u's unsharded gradients into a
    reduce-scatter input (P_u) and allocates the output (P_u/N). Gloo's ``reduce_scatter`` works on one
@@ -108,6 +113,10 @@ class StepShape:
     later_unsharded_params: float = 0.0
     """FSDP stages of a pipeline: torch's schedule turns ``reshard_after_backward`` off until the last
     micro-batch, so after the first backward the stage's parameters stay unsharded (Ψ × compute bytes)."""
+    recompute_working: float = 0.0
+    """Activation checkpointing: one layer's full activations, rebuilt when its backward recomputes it."""
+    released_before_recompute: float = 0.0
+    """Activations the loss's backward frees before the first layer recomputes (the last stage's extras)."""
     later_activations: float = 0.0
     """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
@@ -159,6 +168,14 @@ def moments(s: StepShape) -> list[Peak]:
     if s.cast_copies:
         start["autocast weight copies"] = s.cast_copies
     out = [Peak("backward starts", start)]
+    if s.recompute_working:
+        redo = {**base, "activations": s.activations - s.released_before_recompute,
+                "recomputed layer": s.recompute_working, "input gradient": s.unit_input_grad}  # fmt: skip
+        if buckets:
+            redo["ddp buckets"] = buckets
+        if s.cast_copies:
+            redo["autocast weight copies"] = s.cast_copies
+        out.append(Peak("a checkpointed layer recomputes", redo))
     if s.accumulated_grads:
         later = {**start, "activations": s.later_activations, "accumulated grads": s.accumulated_grads}
         if s.later_unsharded_params:
