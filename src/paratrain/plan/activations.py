@@ -67,7 +67,9 @@ from paratrain.errors import ConfigError
 from paratrain.plan.model import ActivationProfile, TransformerShape
 
 ATTENTION = ("sdpa", "eager")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+VIRTUAL_STAGES = 2
+"""Stages per rank of ``interleaved-1f1b`` (``parallel/pipeline.py``: rank r runs stages r and r + pp)."""
 
 
 def gpt_layer(s: int, b: float, h: int, a: int, t: int = 1, sp: bool = False, attention: str = "eager",
@@ -157,11 +159,30 @@ def last_extra(
     return hidden + logits
 
 
-def in_flight(schedule: str, m: int, p: int, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once."""
+def in_flight(schedule: str, m: int, p: int, stage: int) -> float:
+    """Micro-batches whose activations rank ``stage`` holds at once, in units of its whole stage (all its
+    layers for one micro-batch).
+
+    Interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``, v = 2 chunks of L/(p·v) layers per rank) runs
+    (v − 1)·p + 2(p − 1 − i) warm-up forwards of chunks on rank i before its first backward, then holds one more:
+    (v − 1)·p + 2(p − 1 − i) + 1 chunk activations, at most v·m, i.e. that ÷ v stage units. Rank 0 holds
+    (3p − 1)/2 against 1F1B's p: the price of a bubble v times smaller."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
-    return m if schedule == "gpipe" or p == 1 else min(m, p - stage)
+    if schedule == "gpipe" or p == 1:
+        return m
+    if schedule == "interleaved-1f1b":
+        v = VIRTUAL_STAGES
+        return min(v * m, (v - 1) * p + 2 * (p - 1 - stage) + 1) / v
+    return min(m, p - stage)
+
+
+def bubble_fraction(schedule: str, m: int, p: int) -> float:
+    """Idle slots over busy ones of a pipeline step (Narayanan et al. 2021): (p − 1)/m, and (p − 1)/(v·m)
+    interleaved (a chunk is 1/v of a stage's work, and the fill and drain go chunk by chunk)."""
+    if p == 1:
+        return 0.0
+    return (p - 1) / (m * (VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1))
 
 
 def split_layers(n_layers: int, pp: int) -> list[int]:
@@ -173,7 +194,7 @@ def split_layers(n_layers: int, pp: int) -> list[int]:
 
 def stage(
     shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
-    sp: bool = False, attention: str = "sdpa", act_bytes: int = 2, recompute: bool = False, micro: int = 1,
+    sp: bool = False, attention: str = "sdpa", act_bytes: int = 2, recompute: bool = False, micro: float = 1,
     checkpointing: str | None = None,
 ) -> float:  # fmt: skip
     """Activation bytes of one pipeline stage holding ``micro`` in-flight micro-batches of b sequences;

@@ -115,6 +115,9 @@ def _batch(spec: ModelSpec, layout: Layout, w: Workload, gpus: int) -> _Batch:
             f"{per_rank} samples per rank and micro-step do not split into {m} pipeline micro-batches; choose "
             f"--microbatches a divisor of {per_rank}."
         )
+    if layout.pp > 1 and w.pp_schedule == "interleaved-1f1b" and m % (rounds := max(1, m // layout.pp)):
+        raise ConfigError(f"--pp-schedule interleaved-1f1b runs the micro-batches in rounds of --pp {layout.pp}: "
+                          f"--microbatches {m} must be a multiple of {rounds} (e.g. {rounds * layout.pp}).")  # fmt: skip
     return _Batch(b, seq, w.grad_accum, m, size)
 
 
@@ -146,7 +149,7 @@ def _accumulation(
     later = activations
     if pipelined:
         k = act.in_flight(schedule, batch.micro, layout.pp, stage)
-        if k == batch.micro:  # every forward ran before the first backward (GPipe, or m <= stages ahead)
+        if k >= batch.micro:  # every forward ran before the first backward (GPipe, or m <= stages ahead)
             later = activations * (k - 1) / k
     return psi * grad_bytes, later
 
@@ -238,12 +241,12 @@ def evaluate(
             param_bytes=d.param, compute_bytes=d.compute, units=len(groups) + 1,
             bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=len(groups),
             passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=first,
-            last=last,
+            last=last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,
         )  # fmt: skip
         redo = recompute_fraction(spec, mode, every)
         flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, redo) * samples / t
         st = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
-                       micro=batch.micro, accum=batch.accum, pp=layout.pp)  # fmt: skip
+                       micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
         comm: dict[str, int] = {}
         for op in ops:
             comm[op.key] = comm.get(op.key, 0) + round(op.sent)
@@ -271,6 +274,7 @@ def evaluate(
         "strategy": strategy,
         "layout": layout.to_dict(),
         "activation_checkpointing": ac,
+        "pp_schedule": w.pp_schedule if layout.pp > 1 else None,
         "bytes_per_rank": best["bytes_per_rank"],
         "model_state_bytes_per_rank": best["model_state_bytes_per_rank"],
         "fits": best["fits"],

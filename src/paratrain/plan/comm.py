@@ -150,6 +150,7 @@ def step_ops(
     recompute: float | bool = False,
     first: bool = False,
     last: bool = False,
+    chunks: int = 1,
 ) -> list[CommOp]:
     """The collectives one rank issues in one optimizer step.
 
@@ -197,7 +198,7 @@ def step_ops(
         for kind in kinds:
             ops.append(CommOp("tp", kind, t, passes * count * tokens_bytes, passes * count, "exposed"))
     if layout.pp > 1 and tokens_bytes > 0:
-        sends = passes * (2 if layout.pp > 2 else 1)
+        sends = passes * (2 if layout.pp > 2 else 1) * chunks
         size = tokens_bytes / (t if sequence_parallel else 1)
         ops.append(CommOp("pp", "send_recv", 2, sends * size, sends, "exposed"))
     return ops

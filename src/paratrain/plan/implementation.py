@@ -89,7 +89,7 @@ def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parall
 
 def stage(shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
           sp: bool = False, loss_parallel: bool = False, attention: str = "sdpa", act_bytes: int = 4,
-          recompute: bool = False, micro: int = 1, checkpointing: str | None = None) -> float:  # fmt: skip
+          recompute: bool = False, micro: float = 1, checkpointing: str | None = None) -> float:  # fmt: skip
     """Activation bytes of one pipeline stage with ``micro`` micro-batches in flight (as
     :func:`paratrain.plan.activations.stage`, with paratrain's own per-layer figure). Under full recomputation a
     layer keeps its input, the residual stream: sbh·E (÷ t with SP), plus one layer's working set; under

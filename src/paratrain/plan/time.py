@@ -19,7 +19,8 @@ samples of its data-parallel shard.
 
 **Pipeline** (Narayanan et al. 2021): each of the ``grad_accum`` micro-steps runs m micro-batches through p
 stages in (m + p − 1) slots of one micro-batch's time on the slowest stage; the bubble is the fraction
-(p − 1)/(m + p − 1) of it.
+(p − 1)/(m + p − 1) of it. Interleaved 1F1B with v chunks per rank: (p − 1)/(v·m + p − 1); each chunk boundary
+is one more send, v times the messages.
 
 **Overlap**, stated: collectives run on their own streams, on a link no other collective of the same
 phase uses at the same time, and hide behind compute of their phase only:
@@ -115,7 +116,7 @@ class StepTime:
 
 def step_time(
     compute: float, recompute: float | bool, ops: list[tuple[CommOp, Link]], *, micro: int = 1, accum: int = 1,
-    pp: int = 1,
+    pp: int = 1, schedule: str = "1f1b",
 ) -> StepTime:  # fmt: skip
     """Combine a stage's compute seconds (per step, recomputation included) with its collectives."""
     plain = compute / (1 + float(recompute) / 3)  # forward 1/3, backward 2/3 of the plain compute
@@ -133,7 +134,7 @@ def step_time(
     bwd = (big_m - 1) * max(0.0, (tb - t_bwd) / big_m) + max(0.0, (tb - t_bwd) / big_m + sync)
     if fwd + bwd:
         exposed_axis["dp"] = exposed_axis.get("dp", 0.0) + fwd + bwd
-    bubble = compute * (pp - 1) / micro if pp > 1 else 0.0
+    bubble = compute * (pp - 1) / (micro * (2 if schedule == "interleaved-1f1b" else 1)) if pp > 1 else 0.0
     return StepTime(
         compute=compute, bubble=bubble, comm=sum(by_phase.values()), exposed=sum(exposed_axis.values()),
         exposed_by_axis=exposed_axis,
