@@ -343,6 +343,9 @@ class TrainConfig:
     the flag alone), ``selective`` (op-level: each block keeps the outputs of its matmuls and attention and
     recomputes the cheap ops, the norms, activations and element-wise products), ``selective:N`` (every N-th
     block fully recomputed), ``none``. ``true``/``false`` mean ``full``/``none``."""
+    plan_check: bool = option(True)
+    """Before any worker starts, predict the run's peak memory per rank with the planner and refuse a run that
+    cannot fit the device (naming the cheapest change that fits); ``--no-plan-check`` launches anyway."""
     check_desync_every: int = option(0)
     """Every K optimizer steps, compare a digest of every parameter and buffer across the ranks that should
     hold identical copies, and stop at the first divergence naming the step, the tensor and the ranks

@@ -261,8 +261,8 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
         import torch
 
         with torch.device("meta"):
-            module = build_model(req.cfg.model, input_shape, outputs)
-        return spec_from_module(module, name, input_shape=input_shape)
+            built = build_model(req.cfg.model, input_shape, outputs)
+        return spec_from_module(built, name, input_shape=input_shape)
     module, config = (builder or default_model_builder)(name)
     shape = shape_from_config(config)
     if module is None:
