@@ -40,6 +40,13 @@ from paratrain.plan.time import (
 )
 from paratrain.spec.hardware import Cluster
 
+RESERVED_OVER_ALLOCATED = 1.12
+"""The CUDA caching allocator's reserved bytes over its allocated peak, measured on paratrain's GPU runs
+(``benchmarks/results/plan_vs_cuda_h200.json``, llama-small on one H200: 1.09 under ddp/zero1/zero2, 1.16 under
+zero3, whose all-gathers and frees fragment more): ``peak_reserved`` = allocated peak × 1.12. Peers report
+reserved (torchtitan's "Memory (GiB)" is ``torch.cuda.max_memory_reserved``); ``fits`` is decided on the
+allocated peak."""
+
 DEFAULT_BATCH = 64
 """``paratrain train``'s default global batch; the planner rounds it up to a multiple of the GPUs."""
 
@@ -257,6 +264,7 @@ def evaluate(
                 "params": round(states.params), "grads": round(states.grads),
                 "optimizer": round(states.optimizer), "activations": round(activations),
                 "buffers": round(buffers), "peak": round(peak),
+                "peak_reserved": round(peak * (1.0 if cluster.on_cpu else RESERVED_OVER_ALLOCATED)),
             },
             "model_state_bytes_per_rank": round(states.total),
             "fits": peak <= cluster.gpu_mem_bytes,

@@ -320,6 +320,10 @@ def cluster_from(
             changes[field] = parse(value, "--" + flag.replace("_", "-"))
     if args.efficiency is not None:
         changes["efficiency"] = args.efficiency
+    elif not c.on_cpu:
+        calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c))
+        if calibrated is not None:
+            changes["efficiency"] = calibrated
     return replace(c, **changes) if changes else c
 
 

@@ -166,6 +166,28 @@ GPUS: tuple[GPU, ...] = (
 Longer names first, so that ``H100`` is not taken for ``H10``."""
 
 
+EFFICIENCY: dict[tuple[str, str], float] = {
+    ("H100", "16-bit"): 0.371,
+    ("H200", "16-bit"): 0.371,
+    ("A100", "16-bit"): 0.693,
+}
+"""Default fraction of the dense peak a training step achieves, per GPU family and precision, fitted to the
+published runs of ``benchmarks/bench_plan_published.py`` (docs/plan.md, "Calibrated time"): H100 bf16 eager is
+torchtitan's Llama 3.1 8B FSDP rows (implied 0.376 on 8 GPUs and 0.366 on 128: their geometric mean, both
+within 1.5%; H100s at 500 W with HBM2e, so a full-power SXM5 runs faster); H200 takes the H100's (same chip,
+no published eager row); A100 16-bit is Megatron-LM's GPT-3 175B (0.693, fused kernels, recomputation counted
+as the paper counts it). Other GPUs and fp32 keep :attr:`Cluster.efficiency`'s 0.5. ``--efficiency`` wins."""
+
+
+def default_efficiency(gpu_name: str, precision: str) -> float | None:
+    """:data:`EFFICIENCY` for a cluster's GPU (a preset or device name) at ``precision``, or None."""
+    key = "16-bit" if precision in ("bf16", "fp16", "fp16-mixed") else precision
+    for (family, prec), e in EFFICIENCY.items():
+        if family.lower() in gpu_name.lower() and prec == key:
+            return e
+    return None
+
+
 def gpu(key: str) -> GPU:
     """The ``--gpu`` preset ``key`` (``h100``, ``h200``, ``b200``, ``a100-40gb``, ``a100-80gb``, ``mi300x``)."""
     keys = {g.key: g for g in GPUS if g.key}
