@@ -760,7 +760,26 @@ def test_published_rows_the_planner_expresses() -> None:
             continue
         p = bench._plan(row["argv"])
         key, published = row["memory"]
-        got = p["model_state_bytes_per_rank"] if key == "model_state_bytes_per_rank" else p["bytes_per_rank"][key]
+        got = (
+            p["model_state_bytes_per_rank"]
+            if key == "model_state_bytes_per_rank"
+            else p["bytes_per_rank"][key]
+        )
         assert got == pytest.approx(published, rel=0.15 if key == "peak_reserved" else 0.01), row["name"]
         if "tokens_per_s_per_gpu" in row:
-            assert bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20), row["name"]
+            assert bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20), row[
+                "name"
+            ]
+
+
+def test_a_plan_that_does_not_fit_names_the_peer_default_that_would() -> None:
+    p = _plan_json("--model", "llama3-70b", "--strategy", "fsdp+tp", "--tp", "8", "--dp-shard", "32", "--gpus", "256",
+                   "--batch-size", "512", "--seq-len", "8192", "--activation-checkpointing", "full")["plans"][0]  # fmt: skip
+    assert not p["fits"] and any(a.startswith("fits with --loss-parallel") for a in p["advice"])
+    p = _plan_json("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "32",
+                   "--seq-len", "8192")["plans"][0]  # fmt: skip
+    assert not p["fits"] and any("--activation-checkpointing full" in a for a in p["advice"])
+    fits = _plan_json("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "8")[
+        "plans"
+    ][0]
+    assert fits["fits"] and fits["advice"] == []

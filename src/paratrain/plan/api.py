@@ -357,6 +357,45 @@ def plan(
             chosen = [c for c in chosen if c[1] == "full"]
     out = header(spec, cluster, w)
     out["plans"] = [evaluate(spec, name, sharding, layout, w, cluster) for name, sharding, layout in chosen]
+    for (name, sharding, layout), p in zip(chosen, out["plans"], strict=True):
+        p["advice"] = [] if p["fits"] else advice(spec, name, sharding, layout, w, cluster)
+    return out
+
+
+PEER_DEFAULTS: tuple[tuple[str, dict[str, Any], str], ...] = (
+    ("--loss-parallel", {"loss_parallel": True}, "torchtitan computes the loss on vocabulary-sharded logits with "
+     "TP by default; without it every TP rank holds the full logits and their fp32 log-softmax"),
+    ("--activation-checkpointing selective", {"activation_checkpointing": "selective"}, "torchtitan's default: "
+     "keep matmul and attention outputs, recompute the cheap ops"),
+    ("--activation-checkpointing full", {"activation_checkpointing": "full"}, "each block keeps only its input"),
+)  # fmt: skip
+"""Options the peers turn on by default that a plan that does not fit is tried with (:func:`advice`). FSDP's
+``reshard_after_forward=False`` (torchtitan's choice under PP) costs memory rather than saving it, and
+paratrain always reshards after forward: nothing to advise there."""
+
+
+def advice(
+    spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
+) -> list[str]:
+    """For a plan that does not fit: each single option the peers use by default under which it fits, with its
+    peak (the plan says why it does not fit and what would make it)."""
+    out: list[str] = []
+    for flag, change, why in PEER_DEFAULTS:
+        if all(getattr(w, k) == v for k, v in change.items()):
+            continue
+        if "loss_parallel" in change and layout.tp == 1:
+            continue
+        if "activation_checkpointing" in change and w.activation_checkpointing != "none":
+            continue
+        try:
+            p = evaluate(spec, strategy, sharding, layout, replace(w, **change), cluster)
+        except ConfigError:
+            continue
+        if p["fits"]:
+            peak = p["bytes_per_rank"]["peak"]
+            out.append(
+                f"fits with {flag}: peak {peak / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f} ({why})"
+            )
     return out
 
 

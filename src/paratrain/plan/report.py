@@ -59,6 +59,9 @@ def format_plans(result: dict[str, Any]) -> str:
             + f" {'yes' if p['fits'] else 'NO':<4} {_gb(p['comm_bytes_per_rank_per_step']['total'], scale):>8} "
             f"{p['step_time_s']:9.4g} {mfu}"
         )
+    for p in plans:
+        for a in p.get("advice", []):
+            lines.append(f"{p['strategy']} does not fit; it {a}")
     if "rejected" in result:
         lines += ["", f"evaluated {result['evaluated']} layouts, {result['fitting']} fit. Chosen:"]
         lines += [f"  {p['reason']}" for p in plans] or ["  none fits: see below"]
