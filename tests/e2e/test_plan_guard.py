@@ -26,14 +26,14 @@ def test_train_refuses_a_run_that_cannot_fit_and_names_the_fix(tmp_path: Path) -
 
 @pytest.mark.timeout(200)
 def test_a_run_that_fits_shows_predicted_against_measured(tmp_path: Path) -> None:
-    proc = run_cli("train", "--model", "mlp", "--data", "synthetic-classification", "--steps", "2",
-                   "--batch-size", "16", "--nproc-per-node", "2", "--strategy", "zero3", "--json",
-                   "--run-dir", str(tmp_path / "run"), "--set", "checkpoint.save_at_end=false", cwd=tmp_path,
-                   timeout=180)  # fmt: skip
+    proc = run_cli("train", "--model", "llama-debug", "--data", "python-stdlib", "--set", "data.max_bytes=60000",
+                   "--seq-len", "64", "--steps", "2", "--batch-size", "8", "--nproc-per-node", "2", "--strategy",
+                   "zero3", "--json", "--run-dir", str(tmp_path / "run"), "--set", "checkpoint.save_at_end=false",
+                   cwd=tmp_path, timeout=180)  # fmt: skip
     s = last_json(proc.stdout)
     predicted, measured = s["predicted_peak_bytes_per_rank"], s["peak_bytes_per_rank"]
     assert predicted > 0 and measured > 0
-    assert 0.5 < predicted / measured < 2.0, (predicted, measured)
+    assert 0.8 < predicted / measured < 1.25, (predicted, measured)
 
 
 def test_no_plan_check_skips_the_guard() -> None:

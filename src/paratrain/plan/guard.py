@@ -10,7 +10,8 @@ change that fits, tried in this order: selective then full activation checkpoint
 (``--grad-accum`` doubled, the same global batch, up to 64x) with each, then a sharding strategy (zero2, zero3). ``--no-plan-check``
 launches anyway. The predicted peak goes into the run's summary beside the measured one.
 
-The planner's limits are not the run's: a configuration the planner cannot express (a model it cannot trace,
+A transformer (a model with a Llama config) is planned in full; other models by their states only (tracing
+their activations would cost every launch ~10 s of torch imports). The planner's limits are not the run's: a configuration the planner cannot express (a model it cannot trace,
 a strategy it does not model) is launched with a note, never refused.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 from paratrain.config import RunConfig
 from paratrain.errors import ConfigError
 from paratrain.plan.api import Workload, plan
-from paratrain.plan.model import ModelSpec, shape_from_config, spec_from_module, spec_from_shape
+from paratrain.plan.model import ModelSpec, shape_from_config, spec_from_params, spec_from_shape
 from paratrain.spec import hardware as hw
 
 PREDICTED_ENV = "PARATRAIN_PREDICTED_PEAK"
@@ -62,7 +63,9 @@ def run_spec(cfg: RunConfig, meta_model: Any, input_shape: tuple[int, ...]) -> M
     shape = shape_from_config(config) if config is not None else None
     if shape is not None:
         return spec_from_shape(shape, cfg.model.name)
-    return spec_from_module(meta_model, cfg.model.name, input_shape=input_shape)
+    # Other models: their states only. Tracing their activations (plan/trace.py) first imports torch's
+    # dispatch machinery, ~10 s of CPU on every launch; their activations are small next to a transformer's.
+    return spec_from_params(float(sum(p.numel() for p in meta_model.parameters())), cfg.model.name)
 
 
 def run_workload(cfg: RunConfig, input_shape: tuple[int, ...], pp: int, lm: bool) -> Workload:
