@@ -132,23 +132,39 @@ def optimizer_temporaries(s: StepShape) -> float:
 
 
 def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
+    """The highest of the units' post-backward moments (the others never set the peak; ``--recommend``
+    evaluates hundreds of layouts of 80+ units, so the per-unit totals are scalars and one dict is built)."""
     c, g, n = s.d.compute, s.d.grad, s.n
-    out = []
-    reduced = 0.0  # sharded gradients of the units already reduced (last to first)
+    before = [0.0]  # before[u]: activations of the units ahead of u
+    for a in s.unit_activations:
+        before.append(before[-1] + a)
+    fixed = sum(base.values()) + s.before_units + s.root * (c + g) + s.unit_input_grad
+    reduced, best_u, best_total, best_reduced = 0.0, -1, -1.0, 0.0  # reduced: shards of units after u
     for u in range(len(s.units) - 1, -1, -1):
         p_u = s.units[u]
-        reduce = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0)
-        compute = p_u * (c + g)
-        terms = dict(base)
-        terms["grads"] = reduced
-        terms["activations"] = s.before_units + sum(s.unit_activations[:u])
-        terms["fsdp root (params + grads)"] = s.root * (c + g)
-        terms[f"unit {u} {'reduce-scatter' if reduce >= compute else 'unsharded'}"] = max(reduce, compute)
-        terms["prefetched unit"] = s.units[u - 1] * c if u > 0 else 0.0
-        terms["input gradient"] = s.unit_input_grad
-        out.append(Peak(f"FSDP post-backward of unit {u}", terms))
+        own = max(p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (c + g))
+        total = (
+            fixed
+            + reduced
+            + before[min(u, len(s.unit_activations))]
+            + own
+            + (s.units[u - 1] * c if u else 0.0)
+        )
+        if total > best_total:
+            best_u, best_total, best_reduced = u, total, reduced
         reduced += p_u * g / n
-    return out
+    if best_u < 0:
+        return []
+    u, p_u = best_u, s.units[best_u]
+    reduce, compute = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (c + g)
+    terms = dict(base)
+    terms["grads"] = best_reduced
+    terms["activations"] = s.before_units + before[min(u, len(s.unit_activations))]
+    terms["fsdp root (params + grads)"] = s.root * (c + g)
+    terms[f"unit {u} {'reduce-scatter' if reduce >= compute else 'unsharded'}"] = max(reduce, compute)
+    terms["prefetched unit"] = s.units[u - 1] * c if u > 0 else 0.0
+    terms["input gradient"] = s.unit_input_grad
+    return [Peak(f"FSDP post-backward of unit {u}", terms)]
 
 
 def peak(s: StepShape) -> Peak:

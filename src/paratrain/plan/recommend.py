@@ -115,31 +115,39 @@ def recommend(
                              f"GPU for model states alone, has {_gb(mem_cap)}"})  # fmt: skip
             continue
         best: dict[str, Any] | None = None
-        for schedule in SCHEDULES_TRIED if layout.pp > 1 else (w.pp_schedule,):
-            ws = replace(w, pp_schedule=schedule)
-            for ac in AC_TRIED if not spec.states_only else ("none",):
+        ws = replace(w, pp_schedule=SCHEDULES_TRIED[0]) if layout.pp > 1 else w
+        for ac in AC_TRIED if not spec.states_only else ("none",):
+            try:
+                p = evaluate(spec, name, sharding, layout, replace(ws, activation_checkpointing=ac), cluster)
+            except ConfigError as e:
+                rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
+                                 "needs": 0.0, "reason": f"{_label(name, layout, ac)}: {e}"})  # fmt: skip
+                break
+            evaluated += 1
+            if p["fits"]:
+                best = p
+                break
+            b = p["bytes_per_rank"]
+            states = b["params"] + b["grads"] + b["optimizer"]
+            p["reason"] = (
+                f"{_label(name, layout, ac)}: needs {_gb(b['peak'])} GB per GPU at peak (states {_gb(states)} + "
+                f"activations {_gb(b['activations'])} + buffers {_gb(b['buffers'])}), has {_gb(mem_cap)}"
+            )
+            if ac == AC_TRIED[-1] or spec.states_only:
+                rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
+                                 "needs": float(b["peak"]), "reason": p["reason"]})  # fmt: skip
+        if best is not None and layout.pp > 1:
+            # interleaving holds more activations than 1F1B: it can only fit where 1F1B does, so it is tried
+            # once, at the checkpointing 1F1B first fits with, and kept when it fits and is faster
+            for schedule in SCHEDULES_TRIED[1:]:
                 try:
-                    p = evaluate(
-                        spec, name, sharding, layout, replace(ws, activation_checkpointing=ac), cluster
-                    )
-                except ConfigError as e:
-                    rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
-                                     "needs": 0.0, "reason": f"{_label(name, layout, ac)}: {e}"})  # fmt: skip
-                    break
+                    p = evaluate(spec, name, sharding, layout, replace(ws, pp_schedule=schedule,
+                                 activation_checkpointing=best["activation_checkpointing"]), cluster)  # fmt: skip
+                except ConfigError:
+                    continue  # micro-batches that do not split into rounds of pp
                 evaluated += 1
-                if p["fits"]:
-                    if best is None or p["step_time_s"] < best["step_time_s"]:
-                        best = p
-                    break
-                b = p["bytes_per_rank"]
-                states = b["params"] + b["grads"] + b["optimizer"]
-                p["reason"] = (
-                    f"{_label(name, layout, ac)}: needs {_gb(b['peak'])} GB per GPU at peak (states {_gb(states)} + "
-                    f"activations {_gb(b['activations'])} + buffers {_gb(b['buffers'])}), has {_gb(mem_cap)}"
-                )
-                if (ac == AC_TRIED[-1] or spec.states_only) and schedule == SCHEDULES_TRIED[0]:
-                    rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
-                                     "needs": float(b["peak"]), "reason": p["reason"]})  # fmt: skip
+                if p["fits"] and p["step_time_s"] < best["step_time_s"]:
+                    best = p
         if best is not None:
             fitting.append(best)
     # fastest first; near-ties (within 0.1%) go to the layout with the lower peak, i.e. the most headroom
