@@ -50,7 +50,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from paratrain.launch import LaunchError
     from paratrain.launch.train_job import run_training
+    from paratrain.plan.guard import register
 
+    register()  # the planner checks the run fits the device before any worker starts (--no-plan-check)
     try:
         summary = run_training(cfg, quiet=args.json)
     except LaunchError as e:
@@ -88,6 +90,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         rows.insert(-3, ("tokens/s", f"{tps:,.0f}"))
     if s.get("peak_bytes_per_rank"):
         rows.insert(-2, ("peak / rank", f"{s['peak_bytes_per_rank'] / 2**20:.2f} MiB (during a step)"))
+    if s.get("predicted_peak_bytes_per_rank"):
+        rows.insert(-2, ("predicted peak", f"{s['predicted_peak_bytes_per_rank'] / 2**20:.2f} MiB (paratrain plan)"))
     if s.get("cuda_peak_allocated_bytes_per_rank"):
         alloc, reserved = (
             s["cuda_peak_allocated_bytes_per_rank"],

@@ -35,6 +35,27 @@ from paratrain.errors import ConfigError, suggest
 COMM_ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree", "naive", "rhd", "shm")
 """Every collective algorithm name, in one place: ``comm``, ``--comm-algorithm`` and ``bench comm`` use it."""
 
+AC_MODES: tuple[str, ...] = ("none", "full", "selective")
+"""``--activation-checkpointing`` modes; ``selective:N`` (every N-th block fully recomputed) is also valid."""
+
+
+def ac_policy(value: str | bool | None) -> tuple[str, int]:
+    """``(mode, every)`` of an ``activation_checkpointing`` value: ``none``/``full``/``selective`` (op-level) or
+    ``selective:N`` -> ``("full", N)`` for every N-th block; ``true``/``false`` are ``full``/``none``."""
+    if value is None or value is False or value == "false":
+        return "none", 1
+    if value is True or value == "true":
+        return "full", 1
+    head, _, n = str(value).partition(":")
+    if head in AC_MODES and not n:
+        return head, 1
+    if head == "selective" and n.isdigit() and int(n) >= 1:
+        return ("full", 1) if int(n) == 1 else ("every", int(n))
+    raise ConfigError(f"train.activation_checkpointing={value!r} is not valid: choose none, full, selective (save "
+                      "the outputs of matmuls and attention, recompute the rest) or selective:N (every N-th "
+                      "block fully recomputed, N >= 1).")  # fmt: skip
+
+
 TRAIN, LAUNCH = "train", "launch"
 """Commands whose flags an option appears under (``option(scope=...)``)."""
 
@@ -48,9 +69,12 @@ def option(
     scope: tuple[str, ...] = (TRAIN,),
     metavar: str | None = None,
     default_factory: Any = dataclasses.MISSING,
+    const: tuple[str, str] | None = None,
 ) -> Any:
-    """A config field that is also a command-line flag (``--field-name`` unless ``flag`` is given)."""
+    """A config field that is also a command-line flag (``--field-name`` unless ``flag`` is given). ``const``
+    ``(on, off)``: the flag alone means ``on`` and ``--no-field-name`` means ``off`` (a boolean grown choices)."""
     md = {
+        "const": const,
         "cli": True,
         "flag": flag,
         "aliases": aliases,
@@ -313,8 +337,15 @@ class TrainConfig:
     sync_batchnorm: bool | None = option(None)
     """Convert BatchNorm to SyncBatchNorm before wrapping. ``None``: on when the model has BatchNorm, there
     is more than one data-parallel rank and the per-rank micro-batch is smaller than 16."""
-    activation_checkpointing: bool = option(False)
-    """Recompute each of the model's blocks in backward instead of keeping its activations."""
+    activation_checkpointing: str | bool = option("none", const=("full", "none"),
+                                                  metavar="{none,full,selective,selective:N}")  # fmt: skip
+    """Recompute activations in backward instead of keeping them: ``full`` (each block keeps only its input;
+    the flag alone), ``selective`` (op-level: each block keeps the outputs of its matmuls and attention and
+    recomputes the cheap ops, the norms, activations and element-wise products), ``selective:N`` (every N-th
+    block fully recomputed), ``none``. ``true``/``false`` mean ``full``/``none``."""
+    plan_check: bool = option(True)
+    """Before any worker starts, predict the run's peak memory per rank with the planner and refuse a run that
+    cannot fit the device (naming the cheapest change that fits); ``--no-plan-check`` launches anyway."""
     check_desync_every: int = option(0)
     """Every K optimizer steps, compare a digest of every parameter and buffer across the ranks that should
     hold identical copies, and stop at the first divergence naming the step, the tensor and the ranks
@@ -350,6 +381,8 @@ class TrainConfig:
         _check_positive("train", "grad_accum", self.grad_accum)
         _check_positive("train", "log_every", self.log_every)
         _check_choices(self, "train")
+        mode, every = ac_policy(self.activation_checkpointing)
+        self.activation_checkpointing = f"selective:{every}" if mode == "every" else mode
         if self.steps is None and self.epochs is None:
             raise ConfigError("train: give train.steps or train.epochs (--steps N or --epochs N).")
         if self.eval_every < 0:
@@ -645,6 +678,7 @@ class CliOption:
     help: str
     metavar: str | None
     default: Any
+    const: tuple[str, str] | None = None
 
     @property
     def dest(self) -> str:
@@ -686,7 +720,7 @@ def cli_options(scope: str, sections: Sequence[str] | None = None) -> list[CliOp
             flag = md["flag"] or "--" + f.name.replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else None
             out.append(CliOption(sec, f.name, (flag, *md["aliases"]), hints[f.name], md["choices"],
-                                 docs.get(f.name, ""), md["metavar"], default))  # fmt: skip
+                                 docs.get(f.name, ""), md["metavar"], default, md.get("const")))  # fmt: skip
     return out
 
 
@@ -704,6 +738,14 @@ def add_arguments(parser: argparse.ArgumentParser, scope: str, sections: Sequenc
         kwargs: dict[str, Any] = {"dest": o.dest, "default": None, "help": text.replace("%", "%%")}
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif o.const:
+            kwargs.update(nargs="?", const=o.const[0], metavar=o.metavar or o.key.upper())
+            parser.add_argument(*o.flags, **kwargs)
+            negative = "--no-" + o.flags[0].removeprefix("--")
+            parser.add_argument(
+                negative, dest=o.dest, action="store_const", const=o.const[1], help=argparse.SUPPRESS
+            )
+            continue
         else:
             where = o.flags[0]
             kwargs["type"] = lambda raw, _tp=o.type, _w=where: _parse_flag(raw, _tp, _w)

@@ -81,7 +81,7 @@ def test_gpt3_activations_match_korthikanti_by_hand() -> None:
     shape = FALLBACK_SHAPES["gpt3-175b"]
     # full recomputation keeps 2sbh per layer (2sbh/t with SP) plus one layer's working set
     kept = act.stage(shape, layers=L, first=False, last=False, s=S, b=1, t=T, sp=True, attention="eager",
-                     recompute=True)  # fmt: skip
+                     checkpointing="full")  # fmt: skip
     assert kept == pytest.approx(96 * 2 * sbh / 8 + sbh * (34 / 8 + 5 * as_h / 8))
     # the whole model on one stage: 96 layers + embedding dropout mask sbh/t + final LN and output inputs
     # 2·2sbh/t + logits s·b·V·(2 + 4)/t
@@ -219,12 +219,14 @@ def test_json_contract() -> None:
         assert {"strategy", "layout", "bytes_per_rank", "model_state_bytes_per_rank", "fits",
                 "comm_bytes_per_rank_per_step", "step_time_s", "mfu"} <= p.keys()  # fmt: skip
         assert set(p["layout"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
-        assert set(p["bytes_per_rank"]) == {"params", "grads", "optimizer", "activations", "buffers", "peak"}
+        assert set(p["bytes_per_rank"]) == {"params", "grads", "optimizer", "activations", "buffers", "peak",
+                                            "peak_reserved"}  # fmt: skip
+        assert p["bytes_per_rank"]["peak_reserved"] >= p["bytes_per_rank"]["peak"]
         b = p["bytes_per_rank"]
         # the peak is one moment of the step (plan/peak.py): its terms add up to it, and it never holds more
         # than every component at once
         assert b["peak"] == pytest.approx(sum(p["peak_moment"]["terms"].values()), abs=8)
-        assert b["peak"] <= sum(v for k, v in b.items() if k != "peak") + 8
+        assert b["peak"] <= sum(v for k, v in b.items() if k not in ("peak", "peak_reserved")) + 8
         assert 0 < p["mfu"] <= 0.5 + 1e-9
     one = run_json("--model", "llama2-7b", "--gpus", "8", "--strategy", "zero2")
     assert [p["strategy"] for p in one["plans"]] == ["zero2"]
@@ -338,7 +340,7 @@ def test_builder_injection_and_shape_from_any_config() -> None:
         (("--params", "nan"), "--params must be a positive parameter count"),
         (("--params", "inf"), "--params must be a positive parameter count"),
         (("--params", "1e9", "--gpus", "8", "--gpus-per-node", "0"), "--gpus-per-node must be a positive"),
-        (("--params", "1e9", "--nproc-per-node", "0"), "--nproc-per-node must be a positive"),
+        (("--params", "1e9", "--nproc-per-node", "0"), "nproc_per_node must be positive"),
         (("--params", "1e9", "--gpus", "8", "--recommend", "--top", "0"), "--top must be at least 1"),
         (("--params", "1e9", "--plot", "plan.xyz"), "give a file name ending in .png"),
     ],
@@ -647,3 +649,144 @@ def test_plan_keeps_the_flags_of_the_strategys_own_axes(strategy: str, flags: li
     got = run_json("--model", "llama-debug", "--cluster", "cpu-local", "--nproc-per-node", "4", "--strategy",
                    strategy, "--batch-size", "16", "--seq-len", "32", *flags)  # fmt: skip
     assert [p["strategy"] for p in got["plans"]] == [strategy]
+
+
+# ---- every train flag, any shape, the GPUs of today, every schedule ------------------------------------------
+def _plan_json(*argv: str) -> dict[str, Any]:
+    import argparse
+
+    from paratrain.plan.cli import add_arguments, build
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return build(parser.parse_args(list(argv)))
+
+
+def test_plan_takes_the_data_and_set_flags_of_train() -> None:
+    # the synthetic MLP train builds for --data synthetic-classification (32 features): 22,026 parameters
+    assert (
+        _plan_json("--model", "mlp", "--data", "synthetic-classification", "--cluster", "cpu-local")[
+            "num_params"
+        ]
+        == 22_026
+    )
+    assert _plan_json("--model", "mlp", "--cluster", "cpu-local")["num_params"] == 26_122  # digits, as train
+    from paratrain.spec.llama import count_params, resolve_config
+
+    got = _plan_json("--model", "llama3-8b", "--set", "model.dim=2048", "model.n_layers=4", "--gpus", "8",
+                     "--strategy", "fsdp", "--seq-len", "1024")  # fmt: skip
+    assert got["num_params"] == count_params(resolve_config("llama3-8b", {"dim": 2048, "n_layers": 4}))
+    assert got["plans"][0]["seq_len"] == 1024
+    assert any("precision bf16 assumed" in n for n in got["notes"])
+
+
+def test_gpu_presets_and_405b() -> None:
+    from paratrain.spec.hardware import GPUS, gpu
+
+    assert {g.key for g in GPUS if g.key} >= {"h100", "h200", "b200", "a100-40gb", "a100-80gb", "mi300x"}
+    assert all(g.source for g in GPUS)
+    assert gpu("h200").mem_bytes == 141e9 and gpu("a100-40gb").mem_bytes == 40e9
+    assert gpu("b200").flops("bf16") == 2250e12 and gpu("h100").flops("fp32") == 67e12
+    got = _plan_json("--model", "llama3-8b", "--gpu", "h200", "--gpus", "8", "--strategy", "fsdp")
+    assert got["cluster"]["gpu_mem_bytes"] == 141e9
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        _plan_json("--model", "llama3-8b", "--gpu", "h300")
+    start = time.perf_counter()
+    p = _plan_json("--model", "llama3-405b", "--strategy", "fsdp+tp+pp", "--tp", "8", "--pp", "8", "--dp-shard", "8",
+                   "--gpus", "512", "--pp-schedule", "interleaved-1f1b", "--seq-len", "8192", "--batch-size", "64",
+                   "--microbatches", "8", "--activation-checkpointing", "--loss-parallel")["plans"][0]  # fmt: skip
+    assert time.perf_counter() - start < 10  # 1-2 s unloaded; the bound leaves room for a loaded CI machine
+    assert p["fits"] and p["bytes_per_rank"]["peak"] < 80e9 and p["pp_schedule"] == "interleaved-1f1b"
+
+
+def test_interleaved_1f1b_halves_the_bubble_and_holds_more() -> None:
+    assert act.in_flight("1f1b", 16, 4, 0) == 4
+    assert act.in_flight("interleaved-1f1b", 16, 4, 0) == (4 + 6 + 1) / 2  # (v-1)p + 2(p-1) + 1 chunks, / v
+    assert act.in_flight("interleaved-1f1b", 16, 4, 3) == (4 + 0 + 1) / 2
+    assert act.bubble_fraction("interleaved-1f1b", 8, 4) == act.bubble_fraction("1f1b", 8, 4) / 2
+    base = [
+        "--model",
+        "llama3-8b",
+        "--strategy",
+        "pp",
+        "--gpus",
+        "4",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        "8",
+    ]
+    one = _plan_json(*base)["plans"][0]
+    two = _plan_json(*base, "--pp-schedule", "interleaved-1f1b")["plans"][0]
+    assert two["time_s"]["bubble"] == pytest.approx(one["time_s"]["bubble"] / 2)
+    assert two["bytes_per_rank"]["activations"] > one["bytes_per_rank"]["activations"]
+    rec = _plan_json(
+        "--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--batch-size", "64", "--recommend"
+    )
+    assert all(p["pp_schedule"] in (None, "1f1b", "interleaved-1f1b") for p in rec["plans"])
+
+
+def test_selective_checkpointing_lies_between_none_and_full_in_the_plan() -> None:
+    base = [
+        "--model",
+        "llama3-8b",
+        "--strategy",
+        "fsdp",
+        "--gpus",
+        "8",
+        "--seq-len",
+        "8192",
+        "--batch-size",
+        "8",
+    ]
+    peaks = {
+        ac: _plan_json(*base, "--activation-checkpointing", ac)["plans"][0]
+        for ac in ("none", "selective", "full")
+    }
+    assert peaks["full"]["bytes_per_rank"]["peak"] < peaks["selective"]["bytes_per_rank"]["peak"]
+    assert peaks["selective"]["bytes_per_rank"]["peak"] < peaks["none"]["bytes_per_rank"]["peak"]
+    # recomputation: full reruns the layers' forward, selective a third of its matmuls, none nothing
+    assert (
+        peaks["none"]["time_s"]["compute"]
+        < peaks["selective"]["time_s"]["compute"]
+        < peaks["full"]["time_s"]["compute"]
+    )
+
+
+def test_published_rows_the_planner_expresses() -> None:
+    """benchmarks/bench_plan_published.py: the ZeRO table exactly, torchtitan's 8B FSDP rows within the issue's
+    targets (memory ±15% of the reserved peak, throughput ±20% at the calibrated H100 efficiency)."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_plan_published.py"
+    module_spec = importlib.util.spec_from_file_location("bench_plan_published", path)
+    assert module_spec is not None and module_spec.loader is not None
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    for row in bench.ROWS:
+        if not (row["name"].startswith("ZeRO") or "8B, FSDP" in row["name"]):
+            continue
+        p = bench._plan(row["argv"])
+        key, published = row["memory"]
+        got = (
+            p["model_state_bytes_per_rank"]
+            if key == "model_state_bytes_per_rank"
+            else p["bytes_per_rank"][key]
+        )
+        assert got == pytest.approx(published, rel=0.15 if key == "peak_reserved" else 0.01), row["name"]
+        if "tokens_per_s_per_gpu" in row:
+            assert bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20), row[
+                "name"
+            ]
+
+
+def test_a_plan_that_does_not_fit_names_the_peer_default_that_would() -> None:
+    p = _plan_json("--model", "llama3-70b", "--strategy", "fsdp+tp", "--tp", "8", "--dp-shard", "32", "--gpus", "256",
+                   "--batch-size", "512", "--seq-len", "8192", "--activation-checkpointing", "full")["plans"][0]  # fmt: skip
+    assert not p["fits"] and any(a.startswith("fits with --loss-parallel") for a in p["advice"])
+    p = _plan_json("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "32",
+                   "--seq-len", "8192")["plans"][0]  # fmt: skip
+    assert not p["fits"] and any("--activation-checkpointing full" in a for a in p["advice"])
+    fits = _plan_json("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "8",
+                      "--activation-checkpointing", "selective")["plans"][0]  # fmt: skip
+    assert fits["fits"] and fits["advice"] == []

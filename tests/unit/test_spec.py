@@ -115,7 +115,11 @@ def test_plan_strategies_and_help_need_no_torch() -> None:
         for key, argv in (("strategies", ["strategies", "--json"]),
                           ("plan4", ["plan", "--model", "llama-debug", "--strategy", "fsdp+tp", "--gpus", "4", "--json"]),
                           ("plan32", ["plan", "--model", "llama3-8b", "--strategy", "hsdp", "--gpus", "32",
-                                      "--gpus-per-node", "8", "--json"])):
+                                      "--gpus-per-node", "8", "--json"]),
+                          ("plan405", ["plan", "--model", "llama3-405b", "--set", "model.n_layers=8", "--strategy",
+                                       "fsdp+tp+pp", "--gpus", "64", "--tp", "8", "--pp", "2", "--pp-schedule",
+                                       "interleaved-1f1b", "--activation-checkpointing", "selective", "--batch-size",
+                                       "16", "--seq-len", "4096", "--gpu", "h200", "--json"])):
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
                 rc = main(argv)
@@ -145,3 +149,5 @@ def test_plan_strategies_and_help_need_no_torch() -> None:
         "pp": 1,
     }
     assert "plan" in json.loads(out["help"][1])
+    p405 = json.loads(out["plan405"][1])["plans"][0]
+    assert p405["activation_checkpointing"] == "selective" and p405["pp_schedule"] == "interleaved-1f1b"

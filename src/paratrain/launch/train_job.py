@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ from paratrain.launch.agent import (
     wait_for_summary,
 )
 from paratrain.launch.failures import LaunchError
+
+PREFLIGHT_CHECKS: list[Callable[..., None]] = []
+"""Checks from layers above launch, run on the meta model before any worker starts, as
+``check(cfg, world, nproc, meta_model, input_shape, topology_degrees, cuda)``: the planner's memory guard
+(``paratrain.plan.guard.register``, called by ``paratrain train``)."""
 
 
 def preflight_run(cfg: RunConfig) -> int:
@@ -108,6 +114,8 @@ def preflight_run(cfg: RunConfig) -> int:
     for warning in preflight_features(cfg, meta_model):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
     strategy.check_model(meta_model, world, cfg.strategy)
+    for check in PREFLIGHT_CHECKS:  # the planner's memory guard: refuses a run that cannot fit
+        check(cfg, world, nproc, meta_model, tuple(data.input_shape), topo.degrees(), uses_cuda)
     preflight_train(cfg, world, strategy)  # elastic ranges, fault-injection rank, multi-node run dir
     # a checkpoint of another model, optimizer or training-set size fails here
     reported: list[str] = []
@@ -223,4 +231,6 @@ def run_training(cfg: RunConfig, quiet: bool = False) -> dict[str, Any]:
     if not summary_path.is_file():
         raise LaunchError("the workers exited without writing a summary")
     summary: dict[str, Any] = json.loads(summary_path.read_text())
+    if os.environ.get("PARATRAIN_PREDICTED_PEAK"):  # set by the planner's guard (PREFLIGHT_CHECKS)
+        summary["predicted_peak_bytes_per_rank"] = int(os.environ["PARATRAIN_PREDICTED_PEAK"])
     return summary

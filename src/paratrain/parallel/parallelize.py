@@ -3,8 +3,9 @@
 1. tensor parallel (the strategy's TP plan over the ``tp`` mesh axis), when ``tp > 1``;
 2. SyncBatchNorm, chosen automatically for small per-rank batches (a layer swap; it must precede wrapping);
 3. activation checkpointing of each block (Chen et al., "Training Deep Nets with Sublinear Memory Cost",
-   2016, https://arxiv.org/abs/1604.06174; https://pytorch.org/docs/stable/checkpoint.html): each block
-   keeps only its input in forward and recomputes its activations in backward;
+   2016, https://arxiv.org/abs/1604.06174; https://pytorch.org/docs/stable/checkpoint.html): ``full``, each
+   block keeps only its input in forward and recomputes its activations in backward; ``selective``, op-level
+   (torchtitan's policy, :data:`SAVE_OPS`); ``selective:N``, every N-th block fully;
 4. ``torch.compile`` per block, when asked for (not with tensor parallelism: the launcher refuses it);
 5. the data-parallel wrap: FSDP2 or replication (:meth:`Strategy.wrap`), which also rebinds the optimizer.
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from paratrain.config import RunConfig
+from paratrain.config import RunConfig, ac_policy
 from paratrain.errors import ConfigError
 from paratrain.models.spec import model_blocks as spec_model_blocks
 from paratrain.parallel.layers import choose_sync_batchnorm, convert_sync_batchnorm, count_batchnorm
@@ -62,7 +63,7 @@ def preflight_features(cfg: RunConfig, model: nn.Module) -> list[str]:
             f"--sync-batchnorm has no effect: model {cfg.model.name!r} has no BatchNorm layer "
             "(use --model resnet, or --set model.batchnorm=true with --model cnn)."
         )
-    if cfg.train.activation_checkpointing and model_blocks(model) is None:
+    if ac_policy(cfg.train.activation_checkpointing)[0] != "none" and model_blocks(model) is None:
         raise ConfigError(
             f"--activation-checkpointing recomputes the model's blocks, and model {cfg.model.name!r} "
             "has none. Drop the flag or use a model with blocks (cnn, resnet, llama, ...)."
@@ -99,15 +100,72 @@ def _contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager[None]
     return contextlib.nullcontext(), _KeepBatchNormStats(block)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Wrap each block in non-reentrant activation checkpointing; returns how many were wrapped."""
+def _save_ops() -> set[Any]:
+    aten, ops = torch.ops.aten, torch.ops
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
+    attention = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default, *attention,
+            ops._c10d_functional.reduce_scatter_tensor.default, ops._c10d_functional.all_reduce.default}  # fmt: skip
+
+
+SAVE_OPS = _save_ops()
+"""Selective checkpointing's policy (torchtitan's ``_op_sac_save_list``, extended to bmm/addmm/convolution and
+TP's all-reduce): these ops' outputs are kept in forward, except every second matrix multiply of a block
+(``mm``/``addmm``: in a Llama block wq, wv, w1 and w2 are kept, wk, wo and w3 recomputed); everything else (norms,
+RoPE, SiLU, products, casts, K/V repeats) is recomputed in backward. Attention and collectives are never rerun."""
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def _selective_contexts(block: nn.Module) -> tuple[Any, Any]:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    count = {"forward": 0, "recompute": 0}  # one per block call: the recompute must take the same decisions
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in _MATMULS:
+            count[mode] += 1
+            if count[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, _Both(recompute, _KeepBatchNormStats(block))
+
+
+class _Both:
+    """Two context managers entered in order, left in reverse."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts, self.stack = contexts, contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        for c in self.contexts:
+            self.stack.enter_context(c)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str | bool = "full") -> int:
+    """Wrap blocks in non-reentrant activation checkpointing per ``mode`` (``full``, ``selective`` op-level, or
+    ``selective:N``: every N-th block fully); returns how many blocks were wrapped."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    def wrap(block: nn.Module) -> nn.Module:
-        return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                  context_fn=functools.partial(_contexts, block))  # fmt: skip
+    kind, every = ac_policy(mode)
+    contexts = _selective_contexts if kind == "selective" else _contexts
+    seen = [0]
 
-    return _replace_blocks(model, wrap)
+    def wrap(block: nn.Module) -> nn.Module:
+        seen[0] += 1
+        if kind == "every" and seen[0] % every:
+            return block
+        return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                  context_fn=functools.partial(contexts, block))  # fmt: skip
+
+    _replace_blocks(model, wrap)
+    return seen[0] if kind != "every" else seen[0] // every
 
 
 def apply_compile(model: nn.Module) -> int:
@@ -139,10 +197,11 @@ def parallelize(
         log.info("sync-batchnorm: %s", why)
     if on:
         model = convert_sync_batchnorm(model, strategy.batchnorm_group())
-    if t.activation_checkpointing:
-        n = apply_activation_checkpointing(model)
+    if ac_policy(t.activation_checkpointing)[0] != "none":
+        n = apply_activation_checkpointing(model, t.activation_checkpointing)
         if log is not None:
-            log.info("activation checkpointing: %d blocks recompute their activations in backward", n)
+            log.info("activation checkpointing: %d blocks recompute their activations in backward (%s)",
+                     n, t.activation_checkpointing)  # fmt: skip
     if t.compile:
         n = apply_compile(model)
         if log is not None:

@@ -42,6 +42,15 @@ attention scores in backward, dropping the as²-term; ``"eager"`` keeps it.
 **Full recomputation** (activation checkpointing of every layer): a layer keeps only its input, 2sbh
 (2sbh/t with SP), plus, once, the working set of the layer being recomputed (its full activations).
 
+**Selective (op-level) recomputation**, torchtitan's policy (``parallel/parallelize.SAVE_OPS``): a layer keeps
+its input and the outputs of attention and of every second matmul in forward order (wq, wv, w1, w2 of wq, wk,
+wv, wo, w1, w3, w2): Q 2sbh, V 2sb·kv, the attention output 2sbh, w1's output 2sbf, w2's output 2sbh, plus the
+input 2sbh → **sbh(8 + 2kv/h + 2f/h)**, with SDPA's logsumexp 4asb. Under TP the heads and f divide by t; w2's
+output is the row-parallel partial sum (sbh, undivided) and the all-reduces (reduce-scatters with SP) of wo and
+w2 are kept too (collectives are never rerun). Llama 3 8B (kv = h/4, f = 3.5h): 15.5sbh, against 41sbh without
+checkpointing and 2sbh with full. During a layer's backward its full activations exist again, as with full.
+``selective:N`` checkpoints every N-th layer fully and keeps the others whole.
+
 **Embedding and logits**: GPT's embedding dropout mask sbh on the first stage; on the last stage the final
 norm's input 2sbh, the output projection's input 2sbh (both /t with SP), the logits s·b·V·2 and the fp32
 copy cross-entropy works on (its log-softmax output) s·b·V·4, both /t (vocabulary-parallel output and
@@ -53,11 +62,14 @@ its in-flight micro-batches: all m with GPipe, min(m, p − i) on stage i with 1
 
 from __future__ import annotations
 
+from paratrain.config import ac_policy
 from paratrain.errors import ConfigError
 from paratrain.plan.model import ActivationProfile, TransformerShape
 
 ATTENTION = ("sdpa", "eager")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+VIRTUAL_STAGES = 2
+"""Stages per rank of ``interleaved-1f1b`` (``parallel/pipeline.py``: rank r runs stages r and r + pp)."""
 
 
 def gpt_layer(s: int, b: float, h: int, a: int, t: int = 1, sp: bool = False, attention: str = "eager",
@@ -94,6 +106,38 @@ def layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = Fals
     return llama_layer(shape, s, b, t, sp, attention, act_bytes)
 
 
+def llama_layer_selective(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False,
+                          act_bytes: int = 2) -> float:  # fmt: skip
+    """Bytes a Llama layer keeps under selective (op-level) checkpointing (see the module docstring)."""
+    h, e = shape.dim, act_bytes  # e: bytes of one element
+    local = (1 + shape.kv_dim / h + 1 + shape.ffn_hidden / h) * e / t  # Q, V, attention out, w1 out
+    lse = 4 * shape.n_heads / h / t  # SDPA's fp32 logsumexp, a·s·b·4 bytes
+    sharded = t if sp else 1
+    kept = e / sharded + e  # the layer's input, w2's output (the row-parallel partial sum under TP)
+    if t > 1:
+        kept += 2 * e / sharded  # the all-reduces (reduce-scatters with SP) of wo's and w2's outputs
+    return s * b * h * (local + lse + kept)
+
+
+def checkpoint_policy(checkpointing: str | bool | None) -> tuple[str, int]:
+    """``(mode, every)``: ``none``, ``full``, ``selective`` or ``every`` N-th layer (``selective:N``)."""
+    return ac_policy(checkpointing)
+
+
+def kept_layers(
+    mode: str, every: int, layers: int, full: float, inp: float, selective: float
+) -> tuple[float, float]:
+    """``(bytes the stage's layers keep per micro-batch, working set of the layer being recomputed)``."""
+    if mode == "none" or not layers:
+        return layers * full, 0.0
+    if mode == "full":
+        return layers * inp, full
+    if mode == "selective":
+        return layers * selective, full
+    checkpointed = layers // every
+    return checkpointed * inp + (layers - checkpointed) * full, full if checkpointed else 0.0
+
+
 def layer_input(
     shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False, act_bytes: int = 2
 ) -> float:
@@ -115,11 +159,30 @@ def last_extra(
     return hidden + logits
 
 
-def in_flight(schedule: str, m: int, p: int, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once."""
+def in_flight(schedule: str, m: int, p: int, stage: int) -> float:
+    """Micro-batches whose activations rank ``stage`` holds at once, in units of its whole stage (all its
+    layers for one micro-batch).
+
+    Interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``, v = 2 chunks of L/(p·v) layers per rank) runs
+    (v − 1)·p + 2(p − 1 − i) warm-up forwards of chunks on rank i before its first backward, then holds one more:
+    (v − 1)·p + 2(p − 1 − i) + 1 chunk activations, at most v·m, i.e. that ÷ v stage units. Rank 0 holds
+    (3p − 1)/2 against 1F1B's p: the price of a bubble v times smaller."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
-    return m if schedule == "gpipe" or p == 1 else min(m, p - stage)
+    if schedule == "gpipe" or p == 1:
+        return m
+    if schedule == "interleaved-1f1b":
+        v = VIRTUAL_STAGES
+        return min(v * m, (v - 1) * p + 2 * (p - 1 - stage) + 1) / v
+    return min(m, p - stage)
+
+
+def bubble_fraction(schedule: str, m: int, p: int) -> float:
+    """Idle slots over busy ones of a pipeline step (Narayanan et al. 2021): (p − 1)/m, and (p − 1)/(v·m)
+    interleaved (a chunk is 1/v of a stage's work, and the fill and drain go chunk by chunk)."""
+    if p == 1:
+        return 0.0
+    return (p - 1) / (m * (VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1))
 
 
 def split_layers(n_layers: int, pp: int) -> list[int]:
@@ -131,15 +194,19 @@ def split_layers(n_layers: int, pp: int) -> list[int]:
 
 def stage(
     shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
-    sp: bool = False, attention: str = "sdpa", act_bytes: int = 2, recompute: bool = False, micro: int = 1,
+    sp: bool = False, attention: str = "sdpa", act_bytes: int = 2, recompute: bool = False, micro: float = 1,
+    checkpointing: str | None = None,
 ) -> float:  # fmt: skip
-    """Activation bytes of one pipeline stage holding ``micro`` in-flight micro-batches of b sequences."""
+    """Activation bytes of one pipeline stage holding ``micro`` in-flight micro-batches of b sequences;
+    ``checkpointing`` (``none``/``full``/``selective``/``selective:N``) wins over ``recompute`` (= full)."""
+    mode, every = checkpoint_policy(checkpointing if checkpointing is not None else recompute)
     full = layer(shape, s, b, t, sp, attention, act_bytes)
-    kept = layer_input(shape, s, b, t, sp, act_bytes) if recompute else full
-    per_micro = layers * kept
+    sel = llama_layer_selective(shape, s, b, t, sp, act_bytes) if mode == "selective" else 0.0
+    kept, working = kept_layers(mode, every, layers, full, layer_input(shape, s, b, t, sp, act_bytes), sel)
+    per_micro = kept
     per_micro += first_extra(shape, s, b, t, sp) if first else 0.0
     per_micro += last_extra(shape, s, b, t, sp, act_bytes) if last else 0.0
-    return micro * per_micro + (full if recompute and layers else 0.0)
+    return micro * per_micro + working
 
 
 def module(profile: ActivationProfile, b: float, act_bytes: int = 4, recompute: bool = False) -> float:

@@ -31,8 +31,21 @@ from paratrain.plan import peak as pk
 from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec, ParamGroup
-from paratrain.plan.time import model_flops_per_sample, stage_flops_per_sample, step_time
+from paratrain.plan.time import (
+    model_flops_per_sample,
+    recompute_fraction,
+    stage_flops_per_sample,
+    step_time,
+    tp_rerun,
+)
 from paratrain.spec.hardware import Cluster
+
+RESERVED_OVER_ALLOCATED = 1.12
+"""The CUDA caching allocator's reserved bytes over its allocated peak, measured on paratrain's GPU runs
+(``benchmarks/results/plan_vs_cuda_h200.json``, llama-small on one H200: 1.09 under ddp/zero1/zero2, 1.16 under
+zero3, whose all-gathers and frees fragment more): ``peak_reserved`` = allocated peak × 1.12. Peers report
+reserved (torchtitan's "Memory (GiB)" is ``torch.cuda.max_memory_reserved``); ``fits`` is decided on the
+allocated peak."""
 
 DEFAULT_BATCH = 64
 """``paratrain train``'s default global batch; the planner rounds it up to a multiple of the GPUs."""
@@ -49,7 +62,8 @@ class Workload:
     grad_accum: int = 1
     microbatches: int | None = None
     """Pipeline micro-batches per accumulation step; None: one sample each (the smallest bubble)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | bool = "none"
+    """``none``, ``full``, ``selective`` (op-level) or ``selective:N`` (``true``/``false``: full/none)."""
     optimizer: str = "adamw"
     momentum: float = 0.9
     precision: str = "fp32"
@@ -64,6 +78,10 @@ class Workload:
     gradient_as_bucket_view: bool = False
 
     def __post_init__(self) -> None:
+        mode, every = act.checkpoint_policy(self.activation_checkpointing)
+        object.__setattr__(
+            self, "activation_checkpointing", f"selective:{every}" if mode == "every" else mode
+        )
         mem.dtypes(self.precision, self.optimizer, self.momentum)  # validates both
         if self.attention not in act.ATTENTION:
             raise ConfigError(f"attention {self.attention!r}: choose one of {', '.join(act.ATTENTION)}.")
@@ -104,6 +122,9 @@ def _batch(spec: ModelSpec, layout: Layout, w: Workload, gpus: int) -> _Batch:
             f"{per_rank} samples per rank and micro-step do not split into {m} pipeline micro-batches; choose "
             f"--microbatches a divisor of {per_rank}."
         )
+    if layout.pp > 1 and w.pp_schedule == "interleaved-1f1b" and m % (rounds := max(1, m // layout.pp)):
+        raise ConfigError(f"--pp-schedule interleaved-1f1b runs the micro-batches in rounds of --pp {layout.pp}: "
+                          f"--microbatches {m} must be a multiple of {rounds} (e.g. {rounds * layout.pp}).")  # fmt: skip
     return _Batch(b, seq, w.grad_accum, m, size)
 
 
@@ -135,7 +156,7 @@ def _accumulation(
     later = activations
     if pipelined:
         k = act.in_flight(schedule, batch.micro, layout.pp, stage)
-        if k == batch.micro:  # every forward ran before the first backward (GPipe, or m <= stages ahead)
+        if k >= batch.micro:  # every forward ran before the first backward (GPipe, or m <= stages ahead)
             later = activations * (k - 1) / k
     return psi * grad_bytes, later
 
@@ -146,7 +167,8 @@ def evaluate(
     """One plan (the JSON contract's ``plans`` item) for a validated layout."""
     batch = _batch(spec, layout, w, cluster.gpus)
     d = mem.dtypes(w.precision, w.optimizer, w.momentum)
-    t, n, recompute = layout.tp, layout.dp_shard, w.activation_checkpointing
+    t, n, ac = layout.tp, layout.dp_shard, str(w.activation_checkpointing)
+    mode, every = act.checkpoint_policy(ac)
     sp = w.sequence_parallel and t > 1
     rate = cluster.gpu_flops * cluster.efficiency
     samples = batch.global_batch / layout.dp
@@ -168,27 +190,39 @@ def evaluate(
                 sh, s_, b_ = spec.shape, batch.seq_len, batch.size
                 reference = act.stage(
                     sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp, attention=w.attention,
-                    act_bytes=d.activation, recompute=recompute, micro=micro,
+                    act_bytes=d.activation, checkpointing=ac, micro=micro,
                 )  # fmt: skip
                 if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
                     activations = impl.stage(
                         sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp,
                         loss_parallel=w.loss_parallel and t > 1, attention=w.attention, act_bytes=d.activation,
-                        recompute=recompute, micro=micro,
+                        checkpointing=ac, micro=micro,
                     )  # fmt: skip
                     per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+                    selective = impl.layer_selective(sh, s_, b_, t, sp, d.activation)
                     loss_grad = impl.loss_grad(sh, s_, b_, t, w.loss_parallel and t > 1) if last else 0.0
                     before = micro * impl.first_extra(sh, s_, b_) if first else 0.0
                 else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
                     activations = reference
                     per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+                    selective = act.llama_layer_selective(sh, s_, b_, t, sp, d.activation)
                     loss_grad = before = 0.0
-                kept = (s_ * b_ * sh.dim * d.activation / (t if sp else 1)) if recompute else per_layer
-                shape_kw = {"unit_activations": (micro * kept,) * len(groups), "before_units": before,
+                inp = s_ * b_ * sh.dim * d.activation / (t if sp else 1)
+                working = act.kept_layers(mode, every, len(groups), per_layer, inp, selective)[1]
+                activations -= working  # live only while a layer recomputes: its own moment (plan/peak.py)
+                released = 0.0
+                if last:
+                    released = (impl.last_extra(sh, s_, b_, t, sp, w.loss_parallel and t > 1, d.activation)
+                                if sh.arch == "llama" else act.last_extra(sh, s_, b_, t, sp, d.activation))  # fmt: skip
+                kept = [act.kept_layers(mode, every, 1, per_layer, inp, selective)[0]] * len(groups)
+                if mode == "every":  # the N-th, 2N-th, ... layers of the stage are checkpointed
+                    kept = [inp if (j + 1) % every == 0 else per_layer for j in range(len(groups))]
+                shape_kw = {"unit_activations": tuple(micro * k for k in kept), "before_units": before,
                             "unit_input_grad": s_ * b_ * sh.dim * d.activation / (t if sp else 1),
-                            "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64}  # fmt: skip
+                            "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64,
+                            "recompute_working": working, "released_before_recompute": micro * released}  # fmt: skip
             elif spec.profile is not None:
-                reference = activations = act.module(spec.profile, batch.size, d.activation, recompute)
+                reference = activations = act.module(spec.profile, batch.size, d.activation, mode != "none")
                 prof, scale = spec.profile, batch.size * d.activation / 4
                 shape_kw = {"unit_activations": tuple(x * scale for x in prof.blocks_saved),
                             "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
@@ -213,11 +247,13 @@ def evaluate(
             layout=layout, sharding=sharding, psi=psi, grad_bytes=d.compute if sharding == "full" else d.grad,
             param_bytes=d.param, compute_bytes=d.compute, units=len(groups) + 1,
             bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=len(groups),
-            passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=recompute, first=first, last=last,
+            passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=first,
+            last=last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,
         )  # fmt: skip
-        flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, recompute) * samples / t
-        st = step_time(flops / rate, recompute, [(op, link_for(layout, op.axis, cluster)) for op in ops],
-                       micro=batch.micro, accum=batch.accum, pp=layout.pp)  # fmt: skip
+        redo = recompute_fraction(spec, mode, every)
+        flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, redo) * samples / t
+        st = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
+                       micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
         comm: dict[str, int] = {}
         for op in ops:
             comm[op.key] = comm.get(op.key, 0) + round(op.sent)
@@ -228,6 +264,7 @@ def evaluate(
                 "params": round(states.params), "grads": round(states.grads),
                 "optimizer": round(states.optimizer), "activations": round(activations),
                 "buffers": round(buffers), "peak": round(peak),
+                "peak_reserved": round(peak * (1.0 if cluster.on_cpu else RESERVED_OVER_ALLOCATED)),
             },
             "model_state_bytes_per_rank": round(states.total),
             "fits": peak <= cluster.gpu_mem_bytes,
@@ -244,7 +281,8 @@ def evaluate(
     return {
         "strategy": strategy,
         "layout": layout.to_dict(),
-        "activation_checkpointing": recompute,
+        "activation_checkpointing": ac,
+        "pp_schedule": w.pp_schedule if layout.pp > 1 else None,
         "bytes_per_rank": best["bytes_per_rank"],
         "model_state_bytes_per_rank": best["model_state_bytes_per_rank"],
         "fits": best["fits"],
@@ -319,6 +357,45 @@ def plan(
             chosen = [c for c in chosen if c[1] == "full"]
     out = header(spec, cluster, w)
     out["plans"] = [evaluate(spec, name, sharding, layout, w, cluster) for name, sharding, layout in chosen]
+    for (name, sharding, layout), p in zip(chosen, out["plans"], strict=True):
+        p["advice"] = [] if p["fits"] else advice(spec, name, sharding, layout, w, cluster)
+    return out
+
+
+PEER_DEFAULTS: tuple[tuple[str, dict[str, Any], str], ...] = (
+    ("--loss-parallel", {"loss_parallel": True}, "torchtitan computes the loss on vocabulary-sharded logits with "
+     "TP by default; without it every TP rank holds the full logits and their fp32 log-softmax"),
+    ("--activation-checkpointing selective", {"activation_checkpointing": "selective"}, "torchtitan's default: "
+     "keep matmul and attention outputs, recompute the cheap ops"),
+    ("--activation-checkpointing full", {"activation_checkpointing": "full"}, "each block keeps only its input"),
+)  # fmt: skip
+"""Options the peers turn on by default that a plan that does not fit is tried with (:func:`advice`). FSDP's
+``reshard_after_forward=False`` (torchtitan's choice under PP) costs memory rather than saving it, and
+paratrain always reshards after forward: nothing to advise there."""
+
+
+def advice(
+    spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
+) -> list[str]:
+    """For a plan that does not fit: each single option the peers use by default under which it fits, with its
+    peak (the plan says why it does not fit and what would make it)."""
+    out: list[str] = []
+    for flag, change, why in PEER_DEFAULTS:
+        if all(getattr(w, k) == v for k, v in change.items()):
+            continue
+        if "loss_parallel" in change and layout.tp == 1:
+            continue
+        if "activation_checkpointing" in change and w.activation_checkpointing != "none":
+            continue
+        try:
+            p = evaluate(spec, strategy, sharding, layout, replace(w, **change), cluster)
+        except ConfigError:
+            continue
+        if p["fits"]:
+            peak = p["bytes_per_rank"]["peak"]
+            out.append(
+                f"fits with {flag}: peak {peak / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f} ({why})"
+            )
     return out
 
 

@@ -12,9 +12,12 @@ import argparse
 import json
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from paratrain.config import TRAIN, RunConfig, cli_options
+from paratrain.config import add_arguments as add_config_arguments
+from paratrain.config import apply_arguments as apply_config_arguments
 from paratrain.errors import ConfigError, suggest
 from paratrain.plan.api import Workload, plan
 from paratrain.plan.model import (
@@ -36,48 +39,27 @@ transformers are traced on it."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``paratrain plan`` (the same names as ``paratrain train``'s where they overlap)."""
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model", help="a model paratrain trains (mlp, cnn, resnet18, llama-debug, llama2-7b, ...)"
+    """The flags of ``paratrain plan``: every ``paratrain train`` flag (generated from the same typed config
+    fields, with ``--config`` and ``--set``), so that a train command line with ``train`` replaced by ``plan``
+    plans that run, and the planner's own (the model as a bare count, the cluster, the output)."""
+    p.add_argument(
+        "--config", help="TOML file with [model], [data], [strategy], [optimizer], [train], ... tables"
     )
+    add_config_arguments(p, TRAIN)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="set any config field, as train takes it: --set model.dim=8192 model.n_layers=80 "
+                   "(several per flag; repeatable)", nargs="+")  # fmt: skip
+    m = p.add_argument_group("planner: model and numerics")
     m.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9 (model states only)")
-    s = p.add_argument_group("parallelism and batch")
-    s.add_argument("--strategy", help="ddp, zero1, zero2, zero3, hsdp, tp, pp, fsdp+tp, fsdp+pp, fsdp+tp+pp; "
-                   "default: ddp, zero1, zero2, zero3 and the valid tp/pp layouts")  # fmt: skip
-    s.add_argument(
-        "--tp",
-        type=int,
-        help="tensor-parallel degree (default: the preset's, as paratrain train picks it; an explicit 1 "
-        "is kept, so a tp preset given --tp 1 is refused, as by train)",
-    )
-    s.add_argument("--pp", type=int, help="pipeline-parallel degree (default and an explicit 1: as --tp)")
-    s.add_argument("--dp-shard", type=int, help="ranks each FSDP/ZeRO group shards over")
-    s.add_argument("--dp-replicate", type=int, help="data-parallel replicas (HSDP's outer axis)")
-    s.add_argument(
-        "--batch-size", type=int, help="GLOBAL batch, sequences/samples (default: multiple of GPUs >= 64)"
-    )
-    s.add_argument("--microbatches", type=int, help="pipeline micro-batches (default: one sample each)")
-    s.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
-    s.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
-    s.add_argument(
-        "--activation-checkpointing", action="store_true", help="recompute every block in backward"
-    )
-    s.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="default adamw")
-    s.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp16-mixed"],
-                   help="fp32; bf16/fp16: autocast over fp32 states (as paratrain train); fp16-mixed: the ZeRO "
-                   "paper's 2+2+12 bytes. Default: fp32 on cpu-local, bf16 on GPU clusters")  # fmt: skip
-    s.add_argument("--offload", action="store_true", help="FSDP: keep sharded states in host memory")
-    s.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa drops the a·s² term")
-    s.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"], help="default 1f1b")
-    s.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
-    s.add_argument("--loss-parallel", action="store_true",
-                   help="TP: vocabulary-sharded logits through the loss (train: --set strategy.loss_parallel=true)")  # fmt: skip
-    c = p.add_argument_group("cluster")
+    m.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa drops the a·s² term")
+    m.add_argument("--fp16-mixed", action="store_true",
+                   help="the ZeRO paper's mixed precision: fp16 params and grads + fp32 master, 2+2+12 bytes")  # fmt: skip
+    c = p.add_argument_group("planner: cluster")
     c.add_argument("--cluster", help=f"preset: {', '.join(cl.PRESETS)} (default h100-nvlink-ib)")
+    c.add_argument("--gpu", help="swap the preset's GPU: " + ", ".join(g.key for g in cl.GPUS if g.key)
+                   + " (memory and peak FLOP/s at the precision, from each data sheet)")  # fmt: skip
     c.add_argument("--calibrate", metavar="FILE", help="fit α, β from `paratrain bench comm --json` output")
-    c.add_argument("--gpus", type=int, help="total GPUs (ranks)")
-    c.add_argument("--nproc-per-node", type=int, help="ranks on one node (as paratrain train); sets --gpus")
+    c.add_argument("--gpus", type=int, help="total GPUs (ranks); default --nnodes x --nproc-per-node")
     c.add_argument("--gpus-per-node", type=int, help="GPUs per node")
     c.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB (1e9) or 80GiB")
     c.add_argument("--gpu-flops", help="peak FLOP/s per GPU, e.g. 989e12")
@@ -85,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-bw", help="inter-node bandwidth per GPU, e.g. 400Gb/s")
     c.add_argument("--intra-latency", help="intra-node latency, e.g. 5us")
     c.add_argument("--inter-latency", help="inter-node latency, e.g. 10us")
-    c.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s achieved (default 0.5)")
-    o = p.add_argument_group("output")
+    c.add_argument("--efficiency", type=float,
+                   help="fraction of peak FLOP/s achieved (default: calibrated per GPU and precision, docs/plan.md)")  # fmt: skip
+    o = p.add_argument_group("planner: output")
     o.add_argument("--recommend", action="store_true", help="search and rank every valid layout")
     o.add_argument(
         "--sweep-gpus", metavar="RANGE", help="best layout per GPU count: 8..4096 (x2) or 8,64,512"
@@ -94,6 +77,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=5, help="layouts --recommend prints (default 5)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--plot", metavar="PNG", help="bytes per rank by component, and the time breakdown")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a plan command line asks for: the run's typed config and which of its fields the user set
+    (the others are train's defaults, which the planner may replace with better guesses, and says so)."""
+
+    cfg: RunConfig
+    given: frozenset[str]
+
+    def has(self, key: str) -> bool:
+        return key in self.given
+
+    def value(self, key: str) -> Any:
+        """``section.key`` of the config when the user set it, else None."""
+        if key not in self.given:
+            return None
+        sec, name = key.split(".", 1)
+        return getattr(getattr(self.cfg, sec), name)
+
+
+def request_from(args: argparse.Namespace) -> Request:
+    """``--config`` file, then the flags, then ``--set`` (train's order), with the keys each one set."""
+    given: set[str] = set()
+    cfg = RunConfig()
+    if getattr(args, "config", None):
+        cfg = RunConfig.from_toml(args.config)
+        given |= {
+            f"{sec}.{k}"
+            for sec, table in _toml(args.config).items()
+            if isinstance(table, dict)
+            for k in table
+        }
+    cfg = apply_config_arguments(cfg, args, TRAIN)
+    given |= {f"{o.section}.{o.key}" for o in cli_options(TRAIN) if getattr(args, o.dest, None) is not None}
+    sets = [
+        x
+        for group in (getattr(args, "set", None) or [])
+        for x in (group if isinstance(group, list) else [group])
+    ]
+    if sets:
+        cfg = cfg.override(sets)
+        given |= {x.split("=", 1)[0].strip() for x in sets}
+    return Request(cfg, frozenset(given))
+
+
+def _toml(path: str) -> dict[str, Any]:
+    import tomllib
+
+    with open(path, "rb") as f:
+        return tomllib.load(f)
 
 
 def _torch_available() -> bool:
@@ -141,38 +175,127 @@ def default_model_builder(name: str) -> tuple[Any, Any]:
         return build_model(ModelConfig(name=name), DIGITS_INPUT, 10), None
 
 
-def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None) -> ModelSpec:
-    if (args.model is None) == (args.params is None):
+LLAMA_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
+                "tie_embeddings")  # fmt: skip
+"""``model.*`` fields that reshape a Llama preset (``--set model.dim=...``), as train applies them."""
+
+
+def _tokenizer_vocab(req: Request, notes: list[str]) -> int | None:
+    """The vocabulary train gives a Llama: the tokenizer's, when the run names its text data."""
+    if not (req.has("data.name") or req.has("data.tokenizer")):
+        return None
+    tok = req.cfg.data.tokenizer
+    if tok == "byte":
+        return 256
+    head, _, n = tok.partition(":")
+    if head == "bpe" and n.isdigit():
+        notes.append(f"vocabulary {n} from --set data.tokenizer={tok}: a trained BPE can end smaller; "
+                     "set model.vocab_size to plan an exact one")  # fmt: skip
+        return int(n)
+    return None
+
+
+def _llama_config(req: Request, notes: list[str]) -> Any:
+    """The Llama train would build: the preset, the ``model.*`` overrides, the tokenizer's vocabulary, a
+    max_seq_len that covers ``--seq-len``."""
+    from paratrain.spec.llama import PRESETS, resolve_config
+
+    name, m = req.cfg.model.name, req.cfg.model
+    overrides = {k: getattr(m, k) for k in LLAMA_FIELDS if getattr(m, k) is not None}
+    vocab = _tokenizer_vocab(req, notes)
+    if vocab is not None:
+        overrides.setdefault("vocab_size", vocab)
+    seq = req.value("data.seq_len")
+    if seq is not None:
+        overrides.setdefault("max_seq_len", max(PRESETS[name].max_seq_len, seq))
+    return resolve_config(name, overrides)
+
+
+def _data_shape(req: Request) -> tuple[tuple[int, ...], int]:
+    """Input shape and outputs of the run's dataset (train builds the model for them; digits by default)."""
+    if not req.has("data.name") and req.cfg.data.name == "digits":
+        return DIGITS_INPUT, 10
+    from paratrain.data import build_dataset
+
+    data = build_dataset(req.cfg.data)
+    return tuple(data.input_shape), int(data.num_outputs)
+
+
+def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, req: Request | None = None,
+               notes: list[str] | None = None) -> ModelSpec:  # fmt: skip
+    """The model the run trains: ``--params``, a Llama preset reshaped by ``--set model.*``, a registered
+    model built for the run's ``--data``, or whatever ``builder`` returns for the name."""
+    req = req or request_from(args)
+    notes = notes if notes is not None else []
+    named = req.has("model.name")
+    if named == (args.params is not None):
         raise ConfigError(
             "give exactly one of --model NAME (exact, from the model) or --params N (states only)."
         )
     if args.params is not None:
         return spec_from_params(args.params)
-    module, config = (builder or default_model_builder)(args.model)
+    from paratrain.spec.llama import PRESETS, SHAPE_ONLY_PRESETS
+
+    name = req.cfg.model.name
+    if builder is None and name in PRESETS:
+        config = _llama_config(req, notes)
+        if (
+            name in SHAPE_ONLY_PRESETS or not _torch_available()
+        ):  # by arithmetic: a 405B meta build takes ~20 s
+            return spec_from_shape(shape_from_config(config), name)  # type: ignore[arg-type]
+        import torch
+
+        from paratrain.models.llama import Llama
+
+        with torch.device("meta"):
+            module = Llama(config)
+        return spec_from_module(module, name, shape=shape_from_config(config))
+    if builder is None and name not in FALLBACK_SHAPES and _torch_available() and ":" not in name:
+        from paratrain.models import available_models, build_model
+
+        if name not in available_models():
+            raise ConfigError(
+                f"unknown model {name!r}. {suggest(name, [*available_models(), *PRESETS, *FALLBACK_SHAPES])}"
+            )
+        input_shape, outputs = _data_shape(req)
+        import torch
+
+        with torch.device("meta"):
+            built = build_model(req.cfg.model, input_shape, outputs)
+        return spec_from_module(built, name, input_shape=input_shape)
+    module, config = (builder or default_model_builder)(name)
     shape = shape_from_config(config)
     if module is None:
         if shape is None:
-            raise ConfigError(f"model {args.model!r}: the builder returned neither a module nor a shape.")
-        return spec_from_shape(shape, args.model)
-    return spec_from_module(module, args.model, shape=shape, input_shape=None if shape else DIGITS_INPUT)
+            raise ConfigError(f"model {name!r}: the builder returned neither a module nor a shape.")
+        return spec_from_shape(shape, name)
+    return spec_from_module(module, name, shape=shape, input_shape=None if shape else DIGITS_INPUT)
 
 
-def cluster_from(args: argparse.Namespace) -> cl.Cluster:
-    base = cl.preset(args.cluster or "h100-nvlink-ib")
-    c = (
-        cl.calibrate(args.calibrate, base if args.cluster not in (None, "cpu-local") else None)
-        if args.calibrate
-        else base
-    )
-    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nproc-per-node", args.nproc_per_node)):
+def cluster_from(
+    args: argparse.Namespace, req: Request | None = None, notes: list[str] | None = None
+) -> cl.Cluster:
+    """The preset (``--cluster``; ``cpu-local`` for ``--device cpu``), its GPU (``--gpu``), the ranks of the run
+    (``--gpus``, or ``--nnodes`` x ``--nproc-per-node``) and the overrides."""
+    req = req or request_from(args)
+    notes = notes if notes is not None else []
+    name = args.cluster or ("cpu-local" if req.value("launch.device") == "cpu" else "h100-nvlink-ib")
+    base = cl.preset(name)
+    c = cl.calibrate(args.calibrate, base if name != "cpu-local" else None) if args.calibrate else base
+    nproc, nnodes = req.value("launch.nproc_per_node"), req.value("launch.nnodes")
+    for flag, value in (
+        ("--gpus-per-node", args.gpus_per_node),
+        ("--nproc-per-node", nproc),
+        ("--nnodes", nnodes),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}.")
     gpus, per_node = args.gpus, args.gpus_per_node
-    if args.nproc_per_node is not None:
-        if gpus is not None and gpus != args.nproc_per_node and per_node is None:
-            per_node = args.nproc_per_node
-        gpus = gpus or args.nproc_per_node
-        per_node = per_node or args.nproc_per_node
+    if nproc is not None:
+        if gpus is not None and gpus != nproc and per_node is None:
+            per_node = nproc
+        gpus = gpus or nproc * (nnodes or 1)
+        per_node = per_node or nproc
     changes: dict[str, Any] = {}
     if gpus is not None:
         changes["gpus"] = gpus
@@ -181,6 +304,10 @@ def cluster_from(args: argparse.Namespace) -> cl.Cluster:
             changes["gpu_mem_bytes"] = cl._host_memory() / changes["gpus_per_node"]
     elif per_node is not None:
         changes["gpus_per_node"] = per_node
+    if args.gpu is not None:
+        g = cl.gpu(args.gpu)
+        changes.update(gpu_mem_bytes=g.mem_bytes, gpu_flops=g.flops(_precision(args, req, c)),
+                       name=f"{c.name.split(' ')[0]} with {args.gpu}")  # fmt: skip
     if args.gpu_mem is not None:
         changes["gpu_mem_bytes"] = cl.parse_size(args.gpu_mem, "--gpu-mem")
     if args.gpu_flops is not None:
@@ -193,16 +320,47 @@ def cluster_from(args: argparse.Namespace) -> cl.Cluster:
             changes[field] = parse(value, "--" + flag.replace("_", "-"))
     if args.efficiency is not None:
         changes["efficiency"] = args.efficiency
+    elif not c.on_cpu:
+        calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c))
+        if calibrated is not None:
+            changes["efficiency"] = calibrated
     return replace(c, **changes) if changes else c
 
 
-def workload_from(args: argparse.Namespace, c: cl.Cluster) -> Workload:
-    precision = args.precision or ("fp32" if c.name.startswith("cpu-local") else "bf16")
+def _precision(args: argparse.Namespace, req: Request, c: cl.Cluster) -> str:
+    if getattr(args, "fp16_mixed", False):
+        return "fp16-mixed"
+    given = req.value("train.precision")
+    return given or ("fp32" if c.name.startswith("cpu-local") else "bf16")
+
+
+def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None = None,
+                  notes: list[str] | None = None) -> Workload:  # fmt: skip
+    """The batch and training settings of the run, from the same config fields train reads."""
+    req = req or request_from(args)
+    notes = notes if notes is not None else []
+    cfg = req.cfg
+    precision = _precision(args, req, c)
+    if (
+        not req.has("train.precision")
+        and not getattr(args, "fp16_mixed", False)
+        and precision != cfg.train.precision
+    ):
+        notes.append(f"precision {precision} assumed on {c.name} (train's default is {cfg.train.precision}; "
+                     "give --precision to plan another)")  # fmt: skip
+    if cfg.train.compile:
+        notes.append("--compile is not modelled: fused kernels keep fewer activations than planned")
+    if cfg.strategy.comm_algorithm != "native":
+        notes.append(
+            f"--comm-algorithm {cfg.strategy.comm_algorithm}: time planned with the backend's own collectives"
+        )
     return Workload(
-        batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, microbatches=args.microbatches,
-        activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer, precision=precision,
-        offload=args.offload, attention=args.attention, sequence_parallel=not args.no_sequence_parallel,
-        loss_parallel=args.loss_parallel, pp_schedule=args.pp_schedule,
+        batch_size=req.value("train.batch_size"), seq_len=req.value("data.seq_len"), grad_accum=cfg.train.grad_accum,
+        microbatches=cfg.strategy.microbatches, activation_checkpointing=cfg.train.activation_checkpointing,
+        optimizer=cfg.optimizer.name, momentum=cfg.optimizer.momentum, precision=precision,
+        offload=cfg.strategy.offload, attention=args.attention, sequence_parallel=cfg.strategy.sequence_parallel,
+        loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
+        bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
     )  # fmt: skip
 
 
@@ -229,32 +387,32 @@ def parse_gpu_range(text: str) -> list[int]:
 
 def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -> dict[str, Any]:
     """The result object ``paratrain plan`` prints (plan, recommend or sweep). Raises ConfigError."""
+    req = request_from(args)
+    degrees = {k: req.value(f"strategy.{k}") for k in ("tp", "pp", "dp_shard", "dp_replicate")}
+    strategy = req.value("strategy.name")
     if args.recommend and args.sweep_gpus:
         raise ConfigError(
             "give --recommend or --sweep-gpus, not both (a sweep recommends at every GPU count)."
         )
-    if (args.recommend or args.sweep_gpus) and (args.strategy or any(
-            getattr(args, k) is not None for k in ("tp", "pp", "dp_shard", "dp_replicate"))):  # fmt: skip
+    if (args.recommend or args.sweep_gpus) and (strategy or any(v is not None for v in degrees.values())):
         raise ConfigError(
             "--recommend/--sweep-gpus search the layouts themselves; drop --strategy and the degrees."
         )
-    spec = model_spec(args, model_builder)
-    c = cluster_from(args)
-    w = workload_from(args, c)
+    notes: list[str] = []
+    spec = model_spec(args, model_builder, req, notes)
+    c = cluster_from(args, req, notes)
+    w = workload_from(args, c, req, notes)
+    if w.seq_len is None and spec.shape is not None:
+        notes.append(f"sequence length {spec.shape.max_seq_len} (the model's max_seq_len) assumed: train runs "
+                     f"--seq-len {req.cfg.data.seq_len} unless given; pass --seq-len to plan another")  # fmt: skip
     if args.sweep_gpus:
-        return sweep(spec, c, parse_gpu_range(args.sweep_gpus), w)
-    if args.recommend:
-        return recommend(spec, c, w, top=args.top)
-    return plan(
-        spec,
-        c,
-        w,
-        args.strategy,
-        tp=args.tp,
-        pp=args.pp,
-        dp_shard=args.dp_shard,
-        dp_replicate=args.dp_replicate,
-    )
+        out = sweep(spec, c, parse_gpu_range(args.sweep_gpus), w)
+    elif args.recommend:
+        out = recommend(spec, c, w, top=args.top)
+    else:
+        out = plan(spec, c, w, strategy, **degrees)
+    out["notes"] = notes + out.get("notes", [])
+    return out
 
 
 def run(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -> int:
@@ -277,6 +435,8 @@ def run(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -> 
         print(json.dumps(result))
     else:
         print(format_sweep(result) if "sweep" in result else format_plans(result))
+        for note in result.get("notes", []):
+            print(f"note: {note}")
         if args.plot:
             print(f"\nwrote {args.plot}")
     return 0

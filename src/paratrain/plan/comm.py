@@ -147,9 +147,10 @@ def step_ops(
     layers: int = 0,
     passes: int = 1,
     sequence_parallel: bool = True,
-    recompute: bool = False,
+    recompute: float | bool = False,
     first: bool = False,
     last: bool = False,
+    chunks: int = 1,
 ) -> list[CommOp]:
     """The collectives one rank issues in one optimizer step.
 
@@ -192,12 +193,12 @@ def step_ops(
     if t > 1 and tokens_bytes > 0:
         # per layer: 2 forward + 2 backward (+ 2 forward again when recomputed); each is an all-reduce, or
         # with SP an all-gather *and* a reduce-scatter (the same bytes: (t-1)/t·S each vs 2(t-1)/t·S)
-        count = layers * (6 if recompute else 4) + int(first) + int(last)
+        count = round(layers * (4 + 2 * float(recompute))) + int(first) + int(last)
         kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
         for kind in kinds:
             ops.append(CommOp("tp", kind, t, passes * count * tokens_bytes, passes * count, "exposed"))
     if layout.pp > 1 and tokens_bytes > 0:
-        sends = passes * (2 if layout.pp > 2 else 1)
+        sends = passes * (2 if layout.pp > 2 else 1) * chunks
         size = tokens_bytes / (t if sequence_parallel else 1)
         ops.append(CommOp("pp", "send_recv", 2, sends * size, sends, "exposed"))
     return ops

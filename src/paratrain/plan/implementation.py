@@ -47,6 +47,7 @@ fp32 (F), and the linear inputs are the autocast copies at E; autocast casts a s
 
 from __future__ import annotations
 
+from paratrain.plan import activations as act
 from paratrain.plan.model import TransformerShape
 
 F32 = 4
@@ -88,13 +89,34 @@ def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parall
 
 def stage(shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
           sp: bool = False, loss_parallel: bool = False, attention: str = "sdpa", act_bytes: int = 4,
-          recompute: bool = False, micro: int = 1) -> float:  # fmt: skip
+          recompute: bool = False, micro: float = 1, checkpointing: str | None = None) -> float:  # fmt: skip
     """Activation bytes of one pipeline stage with ``micro`` micro-batches in flight (as
     :func:`paratrain.plan.activations.stage`, with paratrain's own per-layer figure). Under full recomputation a
-    layer keeps its input, the residual stream: sbh·E (÷ t with SP), plus one layer's working set."""
+    layer keeps its input, the residual stream: sbh·E (÷ t with SP), plus one layer's working set; under
+    selective, what :data:`paratrain.parallel.parallelize.SAVE_OPS` keeps (:func:`layer_selective`)."""
+    mode, every = act.checkpoint_policy(checkpointing if checkpointing is not None else recompute)
     full = layer(shape, s, b, t, sp, attention, act_bytes)
-    kept = s * b * shape.dim * act_bytes / (t if sp else 1) if recompute else full
-    per_micro = layers * kept
+    sel = layer_selective(shape, s, b, t, sp, act_bytes) if mode == "selective" else 0.0
+    kept, working = act.kept_layers(
+        mode, every, layers, full, layer_input(shape, s, b, t, sp, act_bytes), sel
+    )
+    per_micro = kept
     per_micro += first_extra(shape, s, b) if first else 0.0
     per_micro += last_extra(shape, s, b, t, sp, loss_parallel, act_bytes) if last else 0.0
-    return micro * per_micro + (full if recompute and layers else 0.0)
+    return micro * per_micro + working
+
+
+def layer_input(
+    shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False, act_bytes: int = 4
+) -> float:
+    """What a fully checkpointed layer keeps: its input, the residual stream (÷ t with SP)."""
+    return s * b * shape.dim * act_bytes / (t if sp else 1)
+
+
+def layer_selective(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False,
+                    act_bytes: int = 4) -> float:  # fmt: skip
+    """What one paratrain Llama layer keeps under selective checkpointing: the layer's input and the outputs
+    of SDPA (with its fp32 logsumexp) and of wq, wv, w1 and w2 (every second matmul), and with TP the kept
+    all-reduces of wo and w2: the op policy torchtitan uses, so the figure is the reference one
+    (:func:`paratrain.plan.activations.llama_layer_selective`) at this element size."""
+    return act.llama_layer_selective(shape, s, b, t, sp, act_bytes)

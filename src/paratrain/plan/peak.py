@@ -12,6 +12,11 @@ the peak is the largest of them:
    without FSDP, the 16-bit copy of every weight that forward used (autocast's cast cache, 2Ψ).
    With ``--grad-accum K > 1`` (or a pipeline stage's later micro-batches) a *later* backward starts with
    the full local gradients accumulated so far as well (no synchronisation before the last micro-step).
+1b. **A checkpointed layer recomputes** (full, selective or every N-th layer): the last layer's backward reruns
+   its forward, so its full activations exist again, on top of what the other layers keep and the gradient
+   w.r.t. its output; the loss's logits-sized tensors (the last stage's extras, the loss gradient) are freed by
+   then. Measured (``tests/dist/test_selective_ac.py``): with a large vocabulary the loss's moment is higher,
+   with a small one this.
 2. **FSDP: a unit's post-backward** (``_fsdp_param_group.post_backward``), for each unit u, last to first.
    FSDP2 first reshards u's parameters, then ``foreach_reduce`` copies u's unsharded gradients into a
    reduce-scatter input (P_u) and allocates the output (P_u/N). Gloo's ``reduce_scatter`` works on one
@@ -109,6 +114,10 @@ class StepShape:
     later_unsharded_params: float = 0.0
     """FSDP stages of a pipeline: torch's schedule turns ``reshard_after_backward`` off until the last
     micro-batch, so after the first backward the stage's parameters stay unsharded (Ψ × compute bytes)."""
+    recompute_working: float = 0.0
+    """Activation checkpointing: one layer's full activations, rebuilt when its backward recomputes it."""
+    released_before_recompute: float = 0.0
+    """Activations the loss's backward frees before the first layer recomputes (the last stage's extras)."""
     later_activations: float = 0.0
     """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
@@ -124,23 +133,39 @@ def optimizer_temporaries(s: StepShape) -> float:
 
 
 def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
+    """The highest of the units' post-backward moments (the others never set the peak; ``--recommend``
+    evaluates hundreds of layouts of 80+ units, so the per-unit totals are scalars and one dict is built)."""
     c, g, n = s.d.compute, s.d.grad, s.n
-    out = []
-    reduced = 0.0  # sharded gradients of the units already reduced (last to first)
+    before = [0.0]  # before[u]: activations of the units ahead of u
+    for a in s.unit_activations:
+        before.append(before[-1] + a)
+    fixed = sum(base.values()) + s.before_units + s.root * (c + g) + s.unit_input_grad
+    reduced, best_u, best_total, best_reduced = 0.0, -1, -1.0, 0.0  # reduced: shards of units after u
     for u in range(len(s.units) - 1, -1, -1):
         p_u = s.units[u]
-        reduce = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0)
-        compute = p_u * (c + g)
-        terms = dict(base)
-        terms["grads"] = reduced
-        terms["activations"] = s.before_units + sum(s.unit_activations[:u])
-        terms["fsdp root (params + grads)"] = s.root * (c + g)
-        terms[f"unit {u} {'reduce-scatter' if reduce >= compute else 'unsharded'}"] = max(reduce, compute)
-        terms["prefetched unit"] = s.units[u - 1] * c if u > 0 else 0.0
-        terms["input gradient"] = s.unit_input_grad
-        out.append(Peak(f"FSDP post-backward of unit {u}", terms))
+        own = max(p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (c + g))
+        total = (
+            fixed
+            + reduced
+            + before[min(u, len(s.unit_activations))]
+            + own
+            + (s.units[u - 1] * c if u else 0.0)
+        )
+        if total > best_total:
+            best_u, best_total, best_reduced = u, total, reduced
         reduced += p_u * g / n
-    return out
+    if best_u < 0:
+        return []
+    u, p_u = best_u, s.units[best_u]
+    reduce, compute = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (c + g)
+    terms = dict(base)
+    terms["grads"] = best_reduced
+    terms["activations"] = s.before_units + before[min(u, len(s.unit_activations))]
+    terms["fsdp root (params + grads)"] = s.root * (c + g)
+    terms[f"unit {u} {'reduce-scatter' if reduce >= compute else 'unsharded'}"] = max(reduce, compute)
+    terms["prefetched unit"] = s.units[u - 1] * c if u > 0 else 0.0
+    terms["input gradient"] = s.unit_input_grad
+    return [Peak(f"FSDP post-backward of unit {u}", terms)]
 
 
 def peak(s: StepShape) -> Peak:
@@ -160,6 +185,14 @@ def moments(s: StepShape) -> list[Peak]:
     if s.cast_copies:
         start["autocast weight copies"] = s.cast_copies
     out = [Peak("backward starts", start)]
+    if s.recompute_working:
+        redo = {**base, "activations": s.activations - s.released_before_recompute,
+                "recomputed layer": s.recompute_working, "input gradient": s.unit_input_grad}  # fmt: skip
+        if buckets:
+            redo["ddp buckets"] = buckets
+        if s.cast_copies:
+            redo["autocast weight copies"] = s.cast_copies
+        out.append(Peak("a checkpointed layer recomputes", redo))
     if s.accumulated_grads:
         later = {**start, "activations": s.later_activations, "accumulated grads": s.accumulated_grads}
         if s.later_unsharded_params:

@@ -45,7 +45,8 @@ def candidates(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout
             if t == 1 and p == 1:
                 out += [("ddp", "none", Layout.of(dp_replicate=dp))]
                 out += [
-                    (s, lay.STRATEGIES[s].sharding, Layout.of(dp_shard=dp)) for s in ("zero1", "zero2", "zero3")
+                    (s, lay.STRATEGIES[s].sharding, Layout.of(dp_shard=dp))
+                    for s in ("zero1", "zero2", "zero3")
                 ]
                 out += [
                     ("hsdp", "full", Layout.of(dp_replicate=dp // s, dp_shard=s)) for s in _divisors(dp)[1:-1]
@@ -77,10 +78,18 @@ def _states_floor(spec: ModelSpec, sharding: str, layout: Layout, w: Workload) -
     return 0.0 if w.offload else mem.model_states(psi, layout.dp_shard, sharding, d).total
 
 
-def _label(name: str, layout: Layout, ac: bool) -> str:
+AC_TRIED = ("none", "selective", "full")
+SCHEDULES_TRIED = ("1f1b", "interleaved-1f1b")
+"""Pipeline schedules ``--recommend`` tries for a pipelined layout; it keeps the faster one that fits
+(interleaving shrinks the bubble v times and holds up to 1.5x the activations on the first rank)."""
+"""Activation checkpointing ``--recommend`` tries for each layout, cheapest recomputation first."""
+
+
+def _label(name: str, layout: Layout, ac: str | bool, schedule: str | None = None) -> str:
     shown = {k: v for k, v in layout.to_dict().items() if v > 1} or {"gpus": 1}
     degrees = " ".join(f"{k}={v}" for k, v in shown.items())
-    return f"{name} ({degrees}{', AC' if ac else ''})"
+    ac = "full" if ac is True else "none" if ac is False else ac
+    return f"{name} ({degrees}{f', {schedule}' if schedule else ''}{'' if ac == 'none' else f', AC {ac}'})"
 
 
 def recommend(
@@ -90,8 +99,8 @@ def recommend(
     with its ``reason``), ``rejected`` the others that were considered, with theirs; ``evaluated`` and
     ``fitting`` count them. The pure data-parallel strategies always appear, in one list or the other."""
     w = workload or Workload()
-    if w.activation_checkpointing:
-        w = replace(w, activation_checkpointing=False)  # both are tried; AC only where needed
+    if w.activation_checkpointing != "none":
+        w = replace(w, activation_checkpointing="none")  # every mode is tried; AC only where needed
     mem_cap = cluster.gpu_mem_bytes
     fitting: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
@@ -101,20 +110,22 @@ def recommend(
             continue
         floor = _states_floor(spec, sharding, layout, w)
         if floor > mem_cap:
-            rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": False,
-                             "needs": floor, "reason": f"{_label(name, layout, False)}: needs {_gb(floor)} GB per "
+            rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": "none",
+                             "needs": floor, "reason": f"{_label(name, layout, 'none')}: needs {_gb(floor)} GB per "
                              f"GPU for model states alone, has {_gb(mem_cap)}"})  # fmt: skip
             continue
-        for ac in (False, True) if not spec.states_only else (False,):
+        best: dict[str, Any] | None = None
+        ws = replace(w, pp_schedule=SCHEDULES_TRIED[0]) if layout.pp > 1 else w
+        for ac in AC_TRIED if not spec.states_only else ("none",):
             try:
-                p = evaluate(spec, name, sharding, layout, replace(w, activation_checkpointing=ac), cluster)
+                p = evaluate(spec, name, sharding, layout, replace(ws, activation_checkpointing=ac), cluster)
             except ConfigError as e:
                 rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
                                  "needs": 0.0, "reason": f"{_label(name, layout, ac)}: {e}"})  # fmt: skip
                 break
             evaluated += 1
             if p["fits"]:
-                fitting.append(p)
+                best = p
                 break
             b = p["bytes_per_rank"]
             states = b["params"] + b["grads"] + b["optimizer"]
@@ -122,13 +133,29 @@ def recommend(
                 f"{_label(name, layout, ac)}: needs {_gb(b['peak'])} GB per GPU at peak (states {_gb(states)} + "
                 f"activations {_gb(b['activations'])} + buffers {_gb(b['buffers'])}), has {_gb(mem_cap)}"
             )
-            if ac or spec.states_only:
+            if ac == AC_TRIED[-1] or spec.states_only:
                 rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
                                  "needs": float(b["peak"]), "reason": p["reason"]})  # fmt: skip
+        if best is not None and layout.pp > 1:
+            # interleaving holds more activations than 1F1B: it can only fit where 1F1B does, so it is tried
+            # once, at the checkpointing 1F1B first fits with, and kept when it fits and is faster
+            for schedule in SCHEDULES_TRIED[1:]:
+                try:
+                    p = evaluate(spec, name, sharding, layout, replace(ws, pp_schedule=schedule,
+                                 activation_checkpointing=best["activation_checkpointing"]), cluster)  # fmt: skip
+                except ConfigError:
+                    continue  # micro-batches that do not split into rounds of pp
+                evaluated += 1
+                if p["fits"] and p["step_time_s"] < best["step_time_s"]:
+                    best = p
+        if best is not None:
+            fitting.append(best)
     # fastest first; near-ties (within 0.1%) go to the layout with the lower peak, i.e. the most headroom
     fitting.sort(key=lambda p: (float(f"{p['step_time_s']:.3g}"), p["bytes_per_rank"]["peak"]))
     for rank, p in enumerate(fitting):
-        label = _label(p["strategy"], Layout.of(**p["layout"]), p["activation_checkpointing"])
+        label = _label(
+            p["strategy"], Layout.of(**p["layout"]), p["activation_checkpointing"], p.get("pp_schedule")
+        )
         head = "fastest" if rank == 0 else f"{p['step_time_s'] / fitting[0]['step_time_s']:.2f}x the fastest"
         exposed = p["time_s"]["exposed_comm"] + p["time_s"]["bubble"]
         p["reason"] = (

@@ -18,6 +18,11 @@ def _unit(plans: list[dict[str, Any]]) -> tuple[float, str]:
     return next(((s, u) for s, u in ((1e9, "GB"), (1e6, "MB")) if top >= s), (1e3, "KB"))
 
 
+def _ac(p: dict[str, Any]) -> str:
+    ac = p["activation_checkpointing"]
+    return "full" if ac is True else "none" if ac is False else str(ac)
+
+
 def _layout(p: dict[str, Any]) -> str:
     lay = p["layout"]
     return f"{lay['dp_replicate']}x{lay['dp_shard']}x{lay['tp']}x{lay['pp']}"
@@ -42,18 +47,21 @@ def format_plans(result: dict[str, Any]) -> str:
         p0 = plans[0]
         lines.append(f"global batch {p0['global_batch_size']} x {p0['seq_len']} tokens; layout = dp_replicate x "
                      f"dp_shard x tp x pp; bytes per rank in {unit} ({scale:.0e}); comm = bytes sent per rank per step")  # fmt: skip
-    head = (f"{'strategy':<11} {'layout':<12} {'AC':<3} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+    head = (f"{'strategy':<11} {'layout':<12} {'AC':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
             f"{'buffers':>8} {'peak':>8} {'fits':<4} {'comm ' + unit:>8} {'step s':>9} {'MFU':>5}")  # fmt: skip
     lines += ["", head]
     for p in plans:
         b = p["bytes_per_rank"]
         mfu = f"{100 * p['mfu']:4.0f}%" if p.get("mfu") is not None else "    -"
         lines.append(
-            f"{p['strategy']:<11} {_layout(p):<12} {'yes' if p['activation_checkpointing'] else 'no':<3} "
+            f"{p['strategy']:<11} {_layout(p):<12} {_ac(p):<9} "
             + " ".join(f"{_gb(b[k], scale):>8}" for k in (*COMPONENTS, "peak"))
             + f" {'yes' if p['fits'] else 'NO':<4} {_gb(p['comm_bytes_per_rank_per_step']['total'], scale):>8} "
             f"{p['step_time_s']:9.4g} {mfu}"
         )
+    for p in plans:
+        for a in p.get("advice", []):
+            lines.append(f"{p['strategy']} does not fit; it {a}")
     if "rejected" in result:
         lines += ["", f"evaluated {result['evaluated']} layouts, {result['fitting']} fit. Chosen:"]
         lines += [f"  {p['reason']}" for p in plans] or ["  none fits: see below"]
@@ -72,7 +80,7 @@ def format_sweep(result: dict[str, Any]) -> str:
         if p is None:
             lines.append(f"{row['gpus']:>6}  {'nothing fits':<34}")
             continue
-        label = f"{p['strategy']} {_layout(p)}{' AC' if p['activation_checkpointing'] else ''}"
+        label = f"{p['strategy']} {_layout(p)}{'' if _ac(p) == 'none' else ' AC ' + _ac(p)}"
         lines.append(f"{row['gpus']:>6}  {label:<34} {row['step_time_s']:9.4g} {row['tokens_per_s']:12.4g} "
                      f"{100 * (row['mfu'] or 0):4.0f}% {100 * row['scaling_efficiency']:7.0f}%")  # fmt: skip
     return "\n".join(lines)
@@ -104,7 +112,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     else:
         plans = result["plans"]
         labels = [
-            f"{p['strategy']}\n{_layout(p)}{' AC' if p['activation_checkpointing'] else ''}" for p in plans
+            f"{p['strategy']}\n{_layout(p)}{'' if _ac(p) == 'none' else ' AC ' + _ac(p)}" for p in plans
         ]
         xs = list(range(len(plans)))
         bottom = [0.0] * len(plans)

@@ -9,15 +9,18 @@ N: parameters that take part in matmuls (all but a lookup-only input embedding: 
 ``tok_embeddings``, GPT's learned positions), L layers, h hidden size, s sequence length. 2·N + 4·L·h·s of
 it is the forward, the rest backward (twice the forward). Other models are measured by
 ``torch.utils.flop_counter`` on the meta device (:mod:`paratrain.plan.trace`); a bare ``--params`` count
-costs 6·N per token. Activation checkpointing recomputes the forward of every layer in backward: + a third
-of the layers' FLOPs. MFU (PaLM's definition) counts the model's FLOPs only, never the recomputation.
+costs 6·N per token. Full activation checkpointing recomputes the forward of every layer in backward: + a
+third of the layers' FLOPs. Selective (op-level) checkpointing reruns only the matmuls it does not keep (wk,
+wo, w3 of a Llama layer; attention is kept), a fraction r = (h·kv + h² + h·f)/(2h² + 2h·kv + 3h·f) of a layer's
+matmul forward (0.37 for Llama 3 8B); ``selective:N`` reruns 1/N of the layers. MFU (PaLM's definition) counts the model's FLOPs only, never the recomputation.
 
 **Compute time** of a rank = its FLOPs / (peak × efficiency): the layers of its pipeline stage, ÷ tp, for the
 samples of its data-parallel shard.
 
 **Pipeline** (Narayanan et al. 2021): each of the ``grad_accum`` micro-steps runs m micro-batches through p
 stages in (m + p − 1) slots of one micro-batch's time on the slowest stage; the bubble is the fraction
-(p − 1)/(m + p − 1) of it.
+(p − 1)/(m + p − 1) of it. Interleaved 1F1B with v chunks per rank: (p − 1)/(v·m + p − 1); each chunk boundary
+is one more send, v times the messages.
 
 **Overlap**, stated: collectives run on their own streams, on a link no other collective of the same
 phase uses at the same time, and hide behind compute of their phase only:
@@ -55,16 +58,39 @@ def model_flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
     return 6.0 * spec.num_params * seq_len
 
 
-def stage_flops_per_sample(spec: ModelSpec, seq_len: int, layers: int, last: bool, recompute: bool) -> float:
-    """FLOPs of one sample on a pipeline stage of ``layers`` layers (+ the output head on the last stage)."""
+def recompute_fraction(spec: ModelSpec, mode: str, every: int = 1) -> float:
+    """Fraction of the layers' forward FLOPs that activation checkpointing ``mode`` reruns in backward."""
+    if mode == "none":
+        return 0.0
+    if mode == "every":
+        return 1.0 / every
+    if mode == "selective":
+        if spec.shape is None:
+            return 0.0  # convolutions and matmuls are kept: only the cheap ops rerun
+        h, kv, f = spec.shape.dim, spec.shape.kv_dim, spec.shape.ffn_hidden
+        return (h * kv + h * h + h * f) / (2 * h * h + 2 * h * kv + 3 * h * f)
+    return 1.0
+
+
+def tp_rerun(mode: str, every: int = 1) -> float:
+    """Fraction of a layer's forward TP collectives rerun in backward (selective keeps them)."""
+    return {"none": 0.0, "selective": 0.0, "every": 1.0 / every}.get(mode, 1.0)
+
+
+def stage_flops_per_sample(
+    spec: ModelSpec, seq_len: int, layers: int, last: bool, recompute: float | bool
+) -> float:
+    """FLOPs of one sample on a pipeline stage of ``layers`` layers (+ the output head on the last stage);
+    ``recompute``: the fraction of the layers' forward rerun (True: all of it)."""
+    redo = float(recompute)
     total = model_flops_per_sample(spec, seq_len)
     if spec.shape is None or not spec.layers:
-        return total * (4 / 3 if recompute else 1.0)
+        return total * (1 + redo / 3)
     sh = spec.shape
     layer_params = sum(g.total for g in spec.layers) / len(spec.layers)
     per_layer = seq_len * (6.0 * layer_params + 12.0 * sh.dim * seq_len)
     head = total - sh.n_layers * per_layer  # the output projection (and anything outside the layers)
-    return layers * per_layer * (4 / 3 if recompute else 1.0) + (head if last else 0.0)
+    return layers * per_layer * (1 + redo / 3) + (head if last else 0.0)
 
 
 @dataclass(frozen=True)
@@ -89,11 +115,11 @@ class StepTime:
 
 
 def step_time(
-    compute: float, recompute: bool, ops: list[tuple[CommOp, Link]], *, micro: int = 1, accum: int = 1,
-    pp: int = 1,
+    compute: float, recompute: float | bool, ops: list[tuple[CommOp, Link]], *, micro: int = 1, accum: int = 1,
+    pp: int = 1, schedule: str = "1f1b",
 ) -> StepTime:  # fmt: skip
     """Combine a stage's compute seconds (per step, recomputation included) with its collectives."""
-    plain = compute / (4 / 3) if recompute else compute  # forward 1/3, backward 2/3 of the plain compute
+    plain = compute / (1 + float(recompute) / 3)  # forward 1/3, backward 2/3 of the plain compute
     t_fwd, t_bwd = plain / 3, compute - plain / 3
     big_m = max(1, accum * micro)
     by_phase: dict[str, float] = {}
@@ -108,7 +134,7 @@ def step_time(
     bwd = (big_m - 1) * max(0.0, (tb - t_bwd) / big_m) + max(0.0, (tb - t_bwd) / big_m + sync)
     if fwd + bwd:
         exposed_axis["dp"] = exposed_axis.get("dp", 0.0) + fwd + bwd
-    bubble = compute * (pp - 1) / micro if pp > 1 else 0.0
+    bubble = compute * (pp - 1) / (micro * (2 if schedule == "interleaved-1f1b" else 1)) if pp > 1 else 0.0
     return StepTime(
         compute=compute, bubble=bubble, comm=sum(by_phase.values()), exposed=sum(exposed_axis.values()),
         exposed_by_axis=exposed_axis,

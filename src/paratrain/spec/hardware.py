@@ -9,6 +9,12 @@ nccl-tests' busbw is measured, so a ring collective on a link of ``bw`` has busb
   InfiniBand NIC per GPU (DGX H100 user guide) = 50 GB/s per GPU.
 - ``a100-nvlink-ib``: A100 SXM4 80GB, 312 TFLOP/s dense BF16 (NVIDIA A100 datasheet). NVLink 3: 600 GB/s
   bidirectional = 300 GB/s per direction. One 200 Gb/s HDR NIC per GPU (DGX A100) = 25 GB/s per GPU.
+- ``h200-nvlink-ib``, ``b200-nvlink-ib``, ``mi300x-xgmi-ib``: the same kind of 8-GPU node with those GPUs
+  (:data:`GPUS`) and their links (NVLink 5 on B200: 1.8 TB/s bidirectional; MI300X's Infinity Fabric, 64 GB/s per
+  direction to each of 7 peers).
+- ``paratrain plan --gpu KEY`` swaps only the GPU of a preset: ``h100``, ``h200``, ``b200``, ``a100-40gb``,
+  ``a100-80gb``, ``mi300x``, each row of :data:`GPUS` with its data sheet named; the peak follows the plan's
+  precision (:meth:`GPU.flops`).
 - ``cpu-local``: the ranks of one machine talking through Gloo. α and β default to the figures measured on
   a small Linux host (BENCHMARKS.md: α = 294 µs, β = 1.48 ns/B); :func:`calibrate` refits them from
   ``paratrain bench comm --json`` output. ``gpu_flops`` is a rough per-process fp32 figure (one AVX2 core:
@@ -111,18 +117,84 @@ class GPU:
     """Dense fp32 FLOP/s (tf32 where the vendor quotes it for training)."""
     mem_bytes: float
     source: str
+    key: str = ""
+    """The ``paratrain plan --gpu`` preset name (``h100``), empty for a table entry without one."""
+    fp8_flops: float = 0.0
+    """Dense fp8 tensor-core FLOP/s (0: no fp8 tensor cores)."""
+
+    def flops(self, precision: str) -> float:
+        """Peak dense FLOP/s at a training precision (``fp8``, 16-bit, else fp32)."""
+        if precision == "fp8" and self.fp8_flops:
+            return self.fp8_flops
+        return self.half_flops if precision in ("bf16", "fp16", "fp16-mixed") else self.single_flops
 
 
 GPUS: tuple[GPU, ...] = (
-    GPU("H200", 989e12, 67e12, 141 * _GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    GPU("H100", 989e12, 67e12, 80 * _GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-    GPU("A100", 312e12, 19.5e12, 80 * _GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
+    GPU(
+        "MI300X",
+        1307.4e12,
+        163.4e12,
+        192 * _GB,
+        "AMD Instinct MI300X data sheet (OAM; dense, no sparsity)",
+        "mi300x",
+        2614.9e12,
+    ),
+    GPU(
+        "B200",
+        2250e12,
+        75e12,
+        180 * _GB,
+        "NVIDIA HGX B200 datasheet: per GPU, 1/8 of the 8-GPU board, dense (half the quoted sparse FP16/FP8)",
+        "b200",
+        4500e12,
+    ),
+    GPU("H200", 989e12, 67e12, 141 * _GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)", "h200", 1979e12),
+    GPU("H100", 989e12, 67e12, 80 * _GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)", "h100", 1979e12),
+    GPU(
+        "A100-SXM4-40GB",
+        312e12,
+        19.5e12,
+        40 * _GB,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
+        "a100-40gb",
+    ),
+    GPU("A100", 312e12, 19.5e12, 80 * _GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)", "a100-80gb"),
     GPU("L40S", 362e12, 91.6e12, 48 * _GB, "NVIDIA L40S datasheet"),
     GPU("A10", 125e12, 31.2e12, 24 * _GB, "NVIDIA A10 datasheet"),
     GPU("V100", 125e12, 15.7e12, 32 * _GB, "NVIDIA V100 datasheet (SXM2)"),
 )
 """The one table of GPU peaks, read by MFU (:func:`paratrain.runtime.device_peak_flops`) and the planner.
 Longer names first, so that ``H100`` is not taken for ``H10``."""
+
+
+EFFICIENCY: dict[tuple[str, str], float] = {
+    ("H100", "16-bit"): 0.371,
+    ("H200", "16-bit"): 0.371,
+    ("A100", "16-bit"): 0.693,
+}
+"""Default fraction of the dense peak a training step achieves, per GPU family and precision, fitted to the
+published runs of ``benchmarks/bench_plan_published.py`` (docs/plan.md, "Calibrated time"): H100 bf16 eager is
+torchtitan's Llama 3.1 8B FSDP rows (implied 0.376 on 8 GPUs and 0.366 on 128: their geometric mean, both
+within 1.5%; H100s at 500 W with HBM2e, so a full-power SXM5 runs faster); H200 takes the H100's (same chip,
+no published eager row); A100 16-bit is Megatron-LM's GPT-3 175B (0.693, fused kernels, recomputation counted
+as the paper counts it). Other GPUs and fp32 keep :attr:`Cluster.efficiency`'s 0.5. ``--efficiency`` wins."""
+
+
+def default_efficiency(gpu_name: str, precision: str) -> float | None:
+    """:data:`EFFICIENCY` for a cluster's GPU (a preset or device name) at ``precision``, or None."""
+    key = "16-bit" if precision in ("bf16", "fp16", "fp16-mixed") else precision
+    for (family, prec), e in EFFICIENCY.items():
+        if family.lower() in gpu_name.lower() and prec == key:
+            return e
+    return None
+
+
+def gpu(key: str) -> GPU:
+    """The ``--gpu`` preset ``key`` (``h100``, ``h200``, ``b200``, ``a100-40gb``, ``a100-80gb``, ``mi300x``)."""
+    keys = {g.key: g for g in GPUS if g.key}
+    if key not in keys:
+        raise ConfigError(f"unknown GPU {key!r}. {suggest(key, keys)} (or give --gpu-mem and --gpu-flops)")
+    return keys[key]
 
 
 def gpu_peak_flops(device_name: str, precision: str = "bf16") -> float | None:
@@ -142,6 +214,18 @@ PRESETS: dict[str, Cluster] = {
     "a100-nvlink-ib": Cluster(
         gpus=8, gpus_per_node=8, gpu_mem_bytes=80 * _GB, gpu_flops=312e12, intra_bw=300 * _GB,
         intra_latency=3.4e-6, inter_bw=25 * _GB, inter_latency=14e-6, name="a100-nvlink-ib",
+    ),
+    "h200-nvlink-ib": Cluster(  # an H100 system's links (NVLink 4, one 400 Gb/s NIC per GPU), 141 GB
+        gpus=8, gpus_per_node=8, gpu_mem_bytes=141 * _GB, gpu_flops=989e12, intra_bw=450 * _GB,
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="h200-nvlink-ib",
+    ),
+    "b200-nvlink-ib": Cluster(  # NVLink 5: 1.8 TB/s bidirectional per GPU; ConnectX-7 400 Gb/s per GPU
+        gpus=8, gpus_per_node=8, gpu_mem_bytes=180 * _GB, gpu_flops=2250e12, intra_bw=900 * _GB,
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="b200-nvlink-ib",
+    ),
+    "mi300x-xgmi-ib": Cluster(  # Infinity Fabric: 7 links x 64 GB/s per direction to the 7 peers; 400 Gb/s NIC
+        gpus=8, gpus_per_node=8, gpu_mem_bytes=192 * _GB, gpu_flops=1307.4e12, intra_bw=448 * _GB,
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="mi300x-xgmi-ib",
     ),
     "cpu-local": Cluster(
         gpus=2, gpus_per_node=2, gpu_mem_bytes=8 * _GB, gpu_flops=1e11, intra_bw=1 / 1.48e-9,

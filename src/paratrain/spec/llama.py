@@ -123,9 +123,19 @@ PRESETS: dict[str, LlamaConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    "llama3-405b": LlamaConfig(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_hidden=53248,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 SHAPE_ONLY_PRESETS: frozenset[str] = frozenset(
-    {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b"}
+    {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b"}
 )
 """Presets for ``paratrain plan`` and memory accounting: :func:`build_llama` builds them on meta only."""
 
