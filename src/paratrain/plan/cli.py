@@ -25,6 +25,7 @@ from paratrain.plan.model import (
     spec_from_params,
     spec_from_shape,
 )
+from paratrain.plan.moe import moe_from_config
 from paratrain.plan.recommend import recommend, sweep
 from paratrain.plan.report import format_plans, format_sweep
 from paratrain.spec import hardware as cl
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pp", type=int, help="pipeline-parallel degree (default and an explicit 1: as --tp)")
     s.add_argument("--dp-shard", type=int, help="ranks each FSDP/ZeRO group shards over")
     s.add_argument("--dp-replicate", type=int, help="data-parallel replicas (HSDP's outer axis)")
+    s.add_argument("--ep", type=int, help="expert-parallel degree (strategies ep, fsdp+ep; MoE models)")
+    s.add_argument("--moe-overload", type=float, default=1.0,
+                   help="MoE: routed rows on the busiest rank over the mean (activations; default 1)")  # fmt: skip
     s.add_argument(
         "--batch-size", type=int, help="GLOBAL batch, sequences/samples (default: multiple of GPUs >= 64)"
     )
@@ -150,11 +154,13 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None) ->
         return spec_from_params(args.params)
     module, config = (builder or default_model_builder)(args.model)
     shape = shape_from_config(config)
+    moe = moe_from_config(config)
     if module is None:
         if shape is None:
             raise ConfigError(f"model {args.model!r}: the builder returned neither a module nor a shape.")
-        return spec_from_shape(shape, args.model)
-    return spec_from_module(module, args.model, shape=shape, input_shape=None if shape else DIGITS_INPUT)
+        return replace(spec_from_shape(shape, args.model), moe=moe)
+    spec = spec_from_module(module, args.model, shape=shape, input_shape=None if shape else DIGITS_INPUT)
+    return replace(spec, moe=moe)
 
 
 def cluster_from(args: argparse.Namespace) -> cl.Cluster:
@@ -234,7 +240,7 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
             "give --recommend or --sweep-gpus, not both (a sweep recommends at every GPU count)."
         )
     if (args.recommend or args.sweep_gpus) and (args.strategy or any(
-            getattr(args, k) is not None for k in ("tp", "pp", "dp_shard", "dp_replicate"))):  # fmt: skip
+            getattr(args, k, None) is not None for k in ("tp", "pp", "dp_shard", "dp_replicate", "ep"))):  # fmt: skip
         raise ConfigError(
             "--recommend/--sweep-gpus search the layouts themselves; drop --strategy and the degrees."
         )
@@ -254,6 +260,8 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
         pp=args.pp,
         dp_shard=args.dp_shard,
         dp_replicate=args.dp_replicate,
+        ep=getattr(args, "ep", None),
+        moe_overload=getattr(args, "moe_overload", 1.0),
     )
 
 

@@ -61,7 +61,7 @@ def stage_flops_per_sample(spec: ModelSpec, seq_len: int, layers: int, last: boo
     if spec.shape is None or not spec.layers:
         return total * (4 / 3 if recompute else 1.0)
     sh = spec.shape
-    layer_params = sum(g.total for g in spec.layers) / len(spec.layers)
+    layer_params = (sum(g.total for g in spec.layers) - spec.inactive_params) / len(spec.layers)
     per_layer = seq_len * (6.0 * layer_params + 12.0 * sh.dim * seq_len)
     head = total - sh.n_layers * per_layer  # the output projection (and anything outside the layers)
     return layers * per_layer * (4 / 3 if recompute else 1.0) + (head if last else 0.0)
