@@ -110,7 +110,9 @@ class StrategySpec:
 
 _ALL = ("pp", "dp_replicate", "dp_shard", "tp")
 _SHM = "'native': the backend's reduce-scatter and all-gather; 'shm': through shared memory"
-_A2A = "the token all-to-all: 'native' is the backend's all_to_all_single, 'pairwise' paratrain.comm's send/recv"
+_A2A = (
+    "the token all-to-all: 'native' is the backend's all_to_all_single, 'pairwise' paratrain.comm's send/recv"
+)
 
 STRATEGIES: dict[str, StrategySpec] = {
     s.name: s

@@ -97,7 +97,12 @@ class Topology:
     ) -> Topology:
         """The topology of these degrees (the world size is their product; ``ep`` borrows from them)."""
         return cls(
-            dp_replicate * dp_shard * tp * pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep
+            dp_replicate * dp_shard * tp * pp,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            tp=tp,
+            pp=pp,
+            ep=ep,
         )
 
     # ---- derived ---------------------------------------------------------------------------------------
