@@ -331,6 +331,8 @@ def after_optimizer_step(
             delta = m.bias_update_rate * torch.sign(counts.mean() - counts)
             m.expert_bias.add_((delta - delta.mean()).to(m.expert_bias.dtype))
         m.last_stats = {"tokens_per_expert": [int(c) for c in counts.tolist()]}
+        # a loss function that never collected them (a pipeline stage without the loss) must not let them pile up
+        m._aux_pending.clear()
         m._counts.zero_()
         m._dropped.zero_()
         m._aux_sum.zero_()
