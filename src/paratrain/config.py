@@ -32,7 +32,7 @@ from typing import Any, get_args, get_origin
 
 from paratrain.errors import ConfigError, suggest
 
-COMM_ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree", "naive", "rhd", "shm")
+COMM_ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree", "naive", "rhd", "shm", "pairwise")
 """Every collective algorithm name, in one place: ``comm``, ``--comm-algorithm`` and ``bench comm`` use it."""
 
 AC_MODES: tuple[str, ...] = ("none", "full", "selective")
@@ -152,6 +152,29 @@ class ModelConfig:
     """Llama models: longest sequence the rotary tables cover (``None``: the preset's, or ``--seq-len``)."""
     tie_embeddings: bool | None = None
     """Llama models: share the input embedding and the output head (``None``: the preset's)."""
+    n_experts: int | None = None
+    """Llama models: routed experts per MoE layer, 0 for a dense model (``None``: the preset's)."""
+    top_k: int | None = None
+    """Llama MoE: experts each token is routed to (``None``: the preset's)."""
+    n_shared_experts: int | None = None
+    """Llama MoE: always-on shared experts (``None``: the preset's)."""
+    moe_every: int | None = None
+    """Llama MoE: an MoE feed-forward in every k-th layer, dense elsewhere (``None``: the preset's)."""
+    first_dense_layers: int | None = None
+    """Llama MoE: leading dense layers before the first MoE one (``None``: the preset's)."""
+    moe_hidden: int | None = None
+    """Llama MoE: hidden width of each expert, 0 for ``ffn_hidden`` (``None``: the preset's)."""
+    capacity_factor: float | None = None
+    """Llama MoE: 0 is dropless; otherwise tokens past ``capacity_factor * tokens * top_k / n_experts`` per
+    expert are dropped (``None``: the preset's)."""
+    router_score: str | None = None
+    """Llama MoE: ``softmax`` or ``sigmoid`` router scores (``None``: the preset's)."""
+    router_renorm: bool | None = None
+    """Llama MoE: renormalise the chosen experts' weights to sum to 1 (``None``: the preset's)."""
+    aux_loss_coef: float | None = None
+    """Llama MoE: coefficient of the sequence-level balance loss, 0 for none (``None``: the preset's)."""
+    bias_update_rate: float | None = None
+    """Llama MoE: step of the auxiliary-loss-free expert bias per optimizer step (``None``: the preset's)."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
@@ -227,6 +250,9 @@ class StrategyConfig:
     pp: int | None = option(None)
     """Pipeline-parallel degree (outermost mesh axis). Default: what the strategy preset says (``pp``: every
     rank; ``fsdp+pp``, ``fsdp+tp+pp``: 2; the others: 1)."""
+    ep: int | None = option(None)
+    """Expert-parallel degree (``ep``, ``fsdp+ep``): each MoE layer's experts split over this many ranks,
+    borrowed from the data-parallel ones. Default: the preset's (``ep``: every rank; ``fsdp+ep``: 2)."""
     bucket_cap_mb: float = 25.0
     """Gradient bucket size in MiB (``ddp``, ``dp``, ``zero1``/``zero2``)."""
     gradient_as_bucket_view: bool = False
@@ -272,6 +298,7 @@ class StrategyConfig:
         _check_positive("strategy", "dp_shard", self.dp_shard, allow_none=True)
         _check_positive("strategy", "tp", self.tp, allow_none=True)
         _check_positive("strategy", "pp", self.pp, allow_none=True)
+        _check_positive("strategy", "ep", self.ep, allow_none=True)
         if not self.shard_units.strip():
             raise ConfigError(
                 "strategy.shard_units is empty: use blocks, root, or module names like blocks.0,head"

@@ -309,6 +309,12 @@ def compare_state(
         if name not in known:
             size = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else ""
             out.append(f"unexpected in checkpoint (not in the model): {name} {size}".rstrip())
+    for name, shape in expected.items():  # an MoE model with another number of experts: say so first
+        meta = saved.get(name)
+        if name.endswith("expert_bias") and isinstance(meta, TensorStorageMetadata) and meta.size != shape:
+            out.insert(0, f"the checkpoint has {meta.size[0]} experts per MoE layer, the model {shape[0]} "
+                          "(model.n_experts): resume with the same --set model.n_experts")  # fmt: skip
+            break
     return out
 
 

@@ -13,6 +13,7 @@ Algorithms (α–β costs in each module's docstring and in docs/comm.md):
   Gloo group on one host its pieces travel over TCP links of its own (:mod:`._tcp`), not c10d's p2p.
 - ``rhd``   (:mod:`.rhd`): Rabenseifner's recursive halving/doubling, any n.
 - ``shm``   (:mod:`.shm`): one shared-memory segment per group, no sockets; the ranks of one host only.
+- ``pairwise`` (:mod:`.alltoall`): all-to-all with uneven splits, n−1 rounds of paired send/recv.
 - ``native``: the backend's own collective (Gloo, NCCL), so callers can switch between the two.
 
 Conventions, shared by every function:
@@ -42,12 +43,14 @@ from paratrain.comm._check import ALGORITHMS, check_algorithm, check_consistent
 from paratrain.comm._common import Peers, chunk_bounds, contiguous_buffer, peers
 from paratrain.comm._ops import OPS, check_op, finish_mean_, native_op
 from paratrain.comm._scatter import scatter
+from paratrain.comm.alltoall import all_to_all
 
 __all__ = [
     "ALGORITHMS",
     "OPS",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "broadcast",
     "gather",
     "reduce",

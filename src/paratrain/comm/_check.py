@@ -21,6 +21,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("naive", "ring", "shm", "native"),
     "gather": ("naive", "native"),
     "scatter": ("naive", "native"),
+    "all_to_all": ("pairwise", "native"),
 }
 """Which algorithms each collective accepts; ``native`` is the backend's own collective, ``shm`` the
 shared-memory transport of :mod:`paratrain.comm.shm` (the ranks of one host)."""

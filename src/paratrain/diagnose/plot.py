@@ -13,6 +13,10 @@ Four panels, drawn with matplotlib (Agg) into one PNG:
 4. from ``--profile`` (``profile/summary.json``), a stacked bar per rank of compute, exposed communication
    and other time per step (overlapped communication is hidden under compute, so it adds no height).
 
+A mixture-of-experts run (``moe`` in its records) adds a third row: the expert load over the steps (the busiest
+expert's tokens over the mean, the largest over the MoE layers) and, of the first such run, the tokens each
+expert of each MoE layer received in the last logged step.
+
 A panel with nothing to show says what would fill it. ``--json`` prints the numbers drawn.
 """
 
@@ -85,6 +89,12 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         "model_state_bytes_per_rank": summary.get("model_state_bytes_per_rank"),
         "peak_bytes_per_rank": summary.get("peak_bytes_per_rank"),
         "profile": _read_json(d / "profile" / "summary.json"),
+        "moe_step": [r["step"] for r in steps if isinstance(r.get("moe"), dict)],
+        "moe_overload": [r["moe"].get("overload") for r in steps if isinstance(r.get("moe"), dict)],
+        "moe_tokens_per_expert": next(
+            (r["moe"].get("tokens_per_expert") for r in reversed(steps) if isinstance(r.get("moe"), dict)),
+            None,
+        ),
     }
 
 
@@ -120,7 +130,9 @@ def draw(
     import matplotlib.pyplot as plt
 
     dpi = 100
-    fig, axes = plt.subplots(2, 2, figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi)
+    moe_runs = [r for r in runs if r.get("moe_step")]
+    rows = 3 if moe_runs else 2
+    fig, axes = plt.subplots(rows, 2, figsize=(size[0] / dpi, size[1] * rows / 2 / dpi), dpi=dpi)
     ax_loss, ax_tput, ax_mem, ax_prof = axes[0][0], axes[0][1], axes[1][0], axes[1][1]
     styles = ["-", "--", "-.", ":"]
     for i, r in enumerate(runs):  # dashes differ so that curves lying on each other stay visible
@@ -179,11 +191,34 @@ def draw(
         ax_prof.legend(fontsize="small", ncol=3, loc="upper left")
     else:
         _empty(ax_prof, "no profile/summary.json\n(run paratrain train --profile START:END)")
+    if moe_runs:
+        _draw_moe(axes[2][0], axes[2][1], moe_runs, styles)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def _draw_moe(ax_load: Any, ax_experts: Any, runs: list[dict[str, Any]], styles: list[str]) -> None:
+    """Expert load over the steps of every MoE run; tokens per expert and layer of the first one's last step."""
+    for i, r in enumerate(runs):
+        ax_load.plot(
+            r["moe_step"], r["moe_overload"], styles[i % 4], marker="o", markersize=3, label=r["label"]
+        )
+    ax_load.set(title="expert load: busiest expert / mean (largest layer)", xlabel="optimizer step",
+                ylabel="overload")  # fmt: skip
+    ax_load.axhline(1.0, color="0.6", linewidth=0.8)
+    ax_load.grid(alpha=0.3)
+    ax_load.legend(fontsize="small")
+    table = runs[0]["moe_tokens_per_expert"] or []
+    ax_experts.set_title(f"tokens per expert, last logged step ({runs[0]['label']})")
+    if table:
+        image = ax_experts.imshow(table, aspect="auto", cmap="viridis")
+        ax_experts.set(xlabel="expert", ylabel="MoE layer")
+        ax_experts.figure.colorbar(image, ax=ax_experts)
+    else:
+        _empty(ax_experts, "no tokens_per_expert in metrics.jsonl")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -126,6 +126,8 @@ def preflight_run(cfg: RunConfig) -> int:
         topo = strategy.topology_for(world, cfg.strategy, nproc)
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
         cfg.strategy.tp, cfg.strategy.pp = topo.tp, topo.pp
+        if topo.ep > 1:
+            cfg.strategy.ep = topo.ep
     return world
 
 

@@ -173,12 +173,18 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+        self.feed_forward: nn.Module = FeedForward(cfg.dim, cfg.ffn_hidden)
+        if cfg.n_experts:
+            from paratrain.models.moe import MoE
+            from paratrain.spec.moe import is_moe_layer
+
+            if is_moe_layer(cfg, layer):
+                self.feed_forward = MoE(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -223,7 +229,7 @@ class Llama(nn.Module):
         # from the same seed would give different weights.
         with torch.device("meta"):
             self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
             self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -295,8 +301,11 @@ class Llama(nn.Module):
             attn, ffn = block.attention, block.feed_forward
             for lin, s in ((attn.wq, std), (attn.wk, std), (attn.wv, std), (attn.wo, out_std)):
                 nn.init.normal_(lin.weight, std=s)
-            for lin, s in ((ffn.w1, std), (ffn.w2, out_std), (ffn.w3, std)):
-                nn.init.normal_(lin.weight, std=s)
+            if isinstance(ffn, FeedForward):
+                for lin, s in ((ffn.w1, std), (ffn.w2, out_std), (ffn.w3, std)):
+                    nn.init.normal_(lin.weight, std=s)
+            else:  # an MoE block (paratrain.models.moe): gate, experts, shared expert
+                ffn.init_weights(std, out_std)  # type: ignore[operator]
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         if self.norm is not None:

@@ -39,7 +39,14 @@ from paratrain.models.spec import ModelSpec, register_model_spec
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["LLAMA_SPEC", "check_pipeline", "check_tensor_parallel", "pipeline_split", "split_layers", "tp_plan"]
+__all__ = [
+    "LLAMA_SPEC",
+    "check_pipeline",
+    "check_tensor_parallel",
+    "pipeline_split",
+    "split_layers",
+    "tp_plan",
+]
 
 
 def check_tensor_parallel(model: Llama, tp: int, ranks: int | None = None) -> None:
@@ -47,6 +54,12 @@ def check_tensor_parallel(model: Llama, tp: int, ranks: int | None = None) -> No
     by the TP degree, and the embeddings are not tied. ``ranks``: the ranks left for ``tp`` (world / pp); the
     degrees the message suggests are the ones above 1 that divide them too (a tp preset refuses ``--tp 1``)."""
     cfg = model.config
+    if cfg.n_experts:
+        raise ConfigError(
+            f"tensor parallelism does not split MoE layers yet (model.n_experts={cfg.n_experts}): the Llama TP "
+            "plan covers dense layers only. Split the experts with --strategy ep or fsdp+ep, or use a "
+            "data-parallel strategy (ddp, zero3)."
+        )
     if cfg.n_heads % tp or cfg.n_kv_heads % tp:
         heads = [d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_heads % d == 0 and cfg.n_kv_heads % d == 0]
         usable = [d for d in heads if d > 1 and (ranks is None or ranks % d == 0)]
@@ -199,7 +212,9 @@ def pipeline_split(
 
 def _stage_blocks(stage: nn.Module) -> list[nn.Module]:
     layers = getattr(stage, "layers", None)
-    assert isinstance(layers, nn.ModuleDict), "a Llama pipeline stage keeps its blocks in a ModuleDict `layers`"
+    assert isinstance(layers, nn.ModuleDict), (
+        "a Llama pipeline stage keeps its blocks in a ModuleDict `layers`"
+    )
     return list(layers.values())
 
 

@@ -20,7 +20,7 @@ _REGISTRY: dict[str, type[Strategy]] = {}
 
 _SPEC_ATTRS = (
     "description", "supports_offload", "supports_mixed_precision", "uses_shard_size", "shard_axis_only",
-    "uses_tp", "uses_pp", "uses_fsdp", "required_axes", "comm_algorithms",
+    "uses_tp", "uses_pp", "uses_fsdp", "required_axes", "comm_algorithms", "uses_ep",
 )  # fmt: skip
 
 

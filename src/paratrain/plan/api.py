@@ -316,6 +316,8 @@ def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, L
     if sh is None:
         return out
     tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if t > 1 and g % t == 0]
+    if spec.moe is not None:  # paratrain's TP plan has no MoE layers: experts are split by ep instead
+        tps = []
     pps = [p for p in (2, 4, 8) if g % p == 0 and p <= sh.n_layers]
     pairs = [(t, 1) for t in tps] + [(1, p) for p in pps]
     pairs += [(tps[-1], p) for p in pps if tps and g % (tps[-1] * p) == 0]
@@ -336,6 +338,8 @@ def plan(
     pp: int | None = None,
     dp_shard: int | None = None,
     dp_replicate: int | None = None,
+    ep: int | None = None,
+    moe_overload: float = 1.0,
 ) -> dict[str, Any]:
     """The plan of one strategy / layout (``strategy`` or any degree given), else of :func:`default_layouts`.
 
@@ -345,6 +349,14 @@ def plan(
     strategy without that axis, ``--offload`` outside zero3/hsdp, ...).
     """
     w = workload or Workload()
+    from paratrain.plan.moe import EP_STRATEGIES, ep_plans
+
+    if strategy in EP_STRATEGIES or ep is not None:  # expert parallelism: plan/moe.py
+        if strategy not in EP_STRATEGIES:
+            raise ConfigError(f"--ep {ep} splits the experts of an MoE model: use --strategy ep or fsdp+ep.")
+        out = header(spec, cluster, w)
+        out["plans"] = ep_plans(spec, cluster, w, strategy, ep, moe_overload, dp_shard, dp_replicate)
+        return out
     if strategy is not None or any(v is not None for v in (tp, pp, dp_shard, dp_replicate)):
         options = {"microbatches": w.microbatches, "pp_schedule": w.pp_schedule, "offload": w.offload,
                    "sequence_parallel": w.sequence_parallel, "loss_parallel": w.loss_parallel}  # fmt: skip
@@ -355,10 +367,17 @@ def plan(
         chosen = default_layouts(spec, cluster)
         if w.offload:
             chosen = [c for c in chosen if c[1] == "full"]
+    if spec.moe is not None and any(layout.tp > 1 for _, _, layout in chosen):
+        raise ConfigError(
+            f"model {spec.name!r} has MoE layers, which paratrain's tensor-parallel plan does not split; use "
+            "--strategy ep or fsdp+ep (experts over an ep axis), or a strategy without tp."
+        )
     out = header(spec, cluster, w)
     out["plans"] = [evaluate(spec, name, sharding, layout, w, cluster) for name, sharding, layout in chosen]
     for (name, sharding, layout), p in zip(chosen, out["plans"], strict=True):
         p["advice"] = [] if p["fits"] else advice(spec, name, sharding, layout, w, cluster)
+    if strategy is None and spec.moe is not None and not w.offload:  # an MoE model: ep and fsdp+ep too
+        out["plans"] += ep_plans(spec, cluster, w, None, None, moe_overload)
     return out
 
 

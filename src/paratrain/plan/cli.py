@@ -28,6 +28,7 @@ from paratrain.plan.model import (
     spec_from_params,
     spec_from_shape,
 )
+from paratrain.plan.moe import moe_from_config
 from paratrain.plan.recommend import recommend, sweep
 from paratrain.plan.report import format_plans, format_sweep
 from paratrain.spec import hardware as cl
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa drops the a·s² term")
     m.add_argument("--fp16-mixed", action="store_true",
                    help="the ZeRO paper's mixed precision: fp16 params and grads + fp32 master, 2+2+12 bytes")  # fmt: skip
+    m.add_argument("--moe-overload", type=float, default=1.0,
+                   help="MoE: routed rows on the busiest rank over the mean (activations; default 1)")  # fmt: skip
     c = p.add_argument_group("planner: cluster")
     c.add_argument("--cluster", help=f"preset: {', '.join(cl.PRESETS)} (default h100-nvlink-ib)")
     c.add_argument("--gpu", help="swap the preset's GPU: " + ", ".join(g.key for g in cl.GPUS if g.key)
@@ -239,17 +242,25 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
     name = req.cfg.model.name
     if builder is None and name in PRESETS:
         config = _llama_config(req, notes)
-        if (
+        moe = moe_from_config(config)
+        if moe is not None and not _torch_available():
+            raise ConfigError(
+                f"planning the mixture-of-experts model {name!r} counts its experts on a meta build, which needs "
+                "torch. Install torch, or plan a dense shape."
+            )
+        if moe is None and (
             name in SHAPE_ONLY_PRESETS or not _torch_available()
         ):  # by arithmetic: a 405B meta build takes ~20 s
-            return spec_from_shape(shape_from_config(config), name)  # type: ignore[arg-type]
+            return replace(spec_from_shape(shape_from_config(config), name), moe=moe_from_config(config))  # type: ignore[arg-type]
         import torch
 
         from paratrain.models.llama import Llama
 
         with torch.device("meta"):
             module = Llama(config)
-        return spec_from_module(module, name, shape=shape_from_config(config))
+        return replace(
+            spec_from_module(module, name, shape=shape_from_config(config)), moe=moe_from_config(config)
+        )
     if builder is None and name not in FALLBACK_SHAPES and _torch_available() and ":" not in name:
         from paratrain.models import available_models, build_model
 
@@ -265,11 +276,13 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
         return spec_from_module(built, name, input_shape=input_shape)
     module, config = (builder or default_model_builder)(name)
     shape = shape_from_config(config)
+    moe = moe_from_config(config)
     if module is None:
         if shape is None:
             raise ConfigError(f"model {name!r}: the builder returned neither a module nor a shape.")
-        return spec_from_shape(shape, name)
-    return spec_from_module(module, name, shape=shape, input_shape=None if shape else DIGITS_INPUT)
+        return replace(spec_from_shape(shape, name), moe=moe)
+    spec = spec_from_module(module, name, shape=shape, input_shape=None if shape else DIGITS_INPUT)
+    return replace(spec, moe=moe)
 
 
 def cluster_from(
@@ -394,6 +407,7 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
         raise ConfigError(
             "give --recommend or --sweep-gpus, not both (a sweep recommends at every GPU count)."
         )
+    degrees["ep"] = req.value("strategy.ep")
     if (args.recommend or args.sweep_gpus) and (strategy or any(v is not None for v in degrees.values())):
         raise ConfigError(
             "--recommend/--sweep-gpus search the layouts themselves; drop --strategy and the degrees."
@@ -410,7 +424,7 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
     elif args.recommend:
         out = recommend(spec, c, w, top=args.top)
     else:
-        out = plan(spec, c, w, strategy, **degrees)
+        out = plan(spec, c, w, strategy, **degrees, moe_overload=args.moe_overload)
     out["notes"] = notes + out.get("notes", [])
     return out
 

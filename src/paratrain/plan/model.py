@@ -170,15 +170,25 @@ class ModelSpec:
     """The largest parameter tensor (sharded over tp if it is a matrix): the optimizer's per-tensor temporaries."""
     states_only: bool = False
     """A bare parameter count: model states only (no activations, buffers or TP/PP)."""
+    moe: Any = None
+    """A mixture-of-experts model's :class:`~paratrain.plan.moe.MoEShape` (``None``: dense)."""
+
+    @property
+    def inactive_params(self) -> int:
+        """MoE: the routed expert parameters a token does not run through (``n_experts - top_k`` per layer)."""
+        m = self.moe
+        return 0 if m is None else m.moe_layers * (m.n_experts - m.top_k) * 3 * m.dim * m.moe_hidden
 
     @property
     def matmul_params(self) -> int:
-        """Parameters used in matmuls (for 6·N): all but the input embedding lookup, unless it is tied."""
+        """Parameters used in matmuls per token (for 6·N): all but the input embedding lookup, unless it is
+        tied, and but the experts a token is not routed to."""
         if self.shape is None:
-            return self.num_params
+            return self.num_params - self.inactive_params
         if self.shape.arch == "gpt":  # tied output: only the learned positions are a pure lookup
             return self.num_params - self.shape.max_seq_len * self.shape.dim
-        return self.num_params if self.shape.tied_embeddings else self.num_params - self.first.total
+        embedding = 0 if self.shape.tied_embeddings else self.first.total
+        return self.num_params - embedding - self.inactive_params
 
 
 def spec_from_params(num_params: float, name: str | None = None) -> ModelSpec:

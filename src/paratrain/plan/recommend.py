@@ -38,6 +38,8 @@ def candidates(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout
     g, out = cluster.gpus, []
     sh = spec.shape
     tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if g % t == 0]
+    if spec.moe is not None:  # paratrain's TP plan has no MoE layers: experts are split by ep instead
+        tps = [1]
     for t in tps:
         pps = [p for p in _divisors(g // t) if sh is not None and p <= sh.n_layers] if sh else [1]
         for p in pps:
@@ -150,6 +152,16 @@ def recommend(
                     best = p
         if best is not None:
             fitting.append(best)
+    for p in _expert_parallel(spec, cluster, w):  # an MoE model: ep and fsdp+ep at every degree that applies
+        evaluated += 1
+        if p["fits"]:
+            fitting.append(p)
+        else:
+            b = p["bytes_per_rank"]
+            rejected.append({"strategy": p["strategy"], "layout": p["layout"], "needs": float(b["peak"]),
+                             "activation_checkpointing": p["activation_checkpointing"],
+                             "reason": f"{p['strategy']} ep={p['layout']['ep']}: needs {_gb(b['peak'])} GB per GPU "
+                             f"at peak, has {_gb(mem_cap)}"})  # fmt: skip
     # fastest first; near-ties (within 0.1%) go to the layout with the lower peak, i.e. the most headroom
     fitting.sort(key=lambda p: (float(f"{p['step_time_s']:.3g}"), p["bytes_per_rank"]["peak"]))
     for rank, p in enumerate(fitting):
@@ -171,6 +183,30 @@ def recommend(
     out = header(spec, cluster, w)
     out.update(plans=fitting[:top], rejected=[{k: v for k, v in r.items() if k != "needs"} for r in shown + others],
                evaluated=evaluated, fitting=len(fitting))  # fmt: skip
+    return out
+
+
+def _expert_parallel(spec: ModelSpec, cluster: Cluster, w: Workload) -> list[dict[str, Any]]:
+    """The plans of ``ep`` and ``fsdp+ep`` at every ep degree that divides the GPUs and the experts (without,
+    then with activation checkpointing where the first does not fit); none for a dense model."""
+    from paratrain.plan.moe import EP_STRATEGIES, ep_plans
+
+    moe = spec.moe
+    if moe is None or cluster.gpus < 2:
+        return []
+    out = []
+    for name in EP_STRATEGIES:
+        if w.offload and name == "ep":
+            continue
+        for ep in (d for d in _divisors(cluster.gpus) if d > 1 and moe.n_experts % d == 0):
+            for ac in (False, True):
+                try:
+                    p = ep_plans(spec, cluster, replace(w, activation_checkpointing=ac), name, ep, 1.0)[0]
+                except ConfigError:
+                    break
+                out.append(p)
+                if p["fits"]:
+                    break
     return out
 
 

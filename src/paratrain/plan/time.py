@@ -87,7 +87,7 @@ def stage_flops_per_sample(
     if spec.shape is None or not spec.layers:
         return total * (1 + redo / 3)
     sh = spec.shape
-    layer_params = sum(g.total for g in spec.layers) / len(spec.layers)
+    layer_params = (sum(g.total for g in spec.layers) - spec.inactive_params) / len(spec.layers)
     per_layer = seq_len * (6.0 * layer_params + 12.0 * sh.dim * seq_len)
     head = total - sh.n_layers * per_layer  # the output projection (and anything outside the layers)
     return layers * per_layer * (1 + redo / 3) + (head if last else 0.0)

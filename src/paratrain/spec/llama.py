@@ -13,6 +13,7 @@ from typing import Any
 
 from paratrain.config import convert
 from paratrain.errors import ConfigError, suggest
+from paratrain.spec.moe import MOE_PRESETS, check_moe, is_moe_layer
 
 __all__ = [
     "PRESETS",
@@ -51,6 +52,30 @@ class LlamaConfig:
     """Share one matrix between ``tok_embeddings`` and ``output``."""
     init_std: float = 0.02
     """Standard deviation of the normal init; ``wo`` and ``w2`` use ``init_std / sqrt(2 * n_layers)``."""
+    # ---- mixture of experts (paratrain.models.moe); n_experts = 0 is a dense model
+    n_experts: int = 0
+    """Routed experts of each MoE layer; 0: every layer has the dense SwiGLU MLP."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    n_shared_experts: int = 0
+    """Always-on shared experts (one SwiGLU of width ``n_shared_experts * moe_hidden``)."""
+    moe_every: int = 1
+    """MoE in every ``moe_every``-th layer (after ``first_dense_layers``), dense elsewhere."""
+    first_dense_layers: int = 0
+    """Leading layers that stay dense (DeepSeek-V3: 3)."""
+    moe_hidden: int = 0
+    """Hidden width of each expert; 0: ``ffn_hidden``."""
+    capacity_factor: float = 0.0
+    """0: dropless. Otherwise an expert takes at most ``ceil(capacity_factor * tokens * top_k / n_experts)``
+    assignments per forward on one rank; the rest are dropped."""
+    router_score: str = "softmax"
+    """``softmax`` or ``sigmoid`` scores of the gate."""
+    router_renorm: bool = True
+    """Renormalise the chosen experts' weights to sum to 1."""
+    aux_loss_coef: float = 0.0
+    """Coefficient of the sequence-level balance loss added to the training loss (0: none)."""
+    bias_update_rate: float = 1e-3
+    """Step of the auxiliary-loss-free expert bias per optimizer step (0: the bias stays 0)."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
@@ -77,6 +102,9 @@ class LlamaConfig:
                 "model.norm_eps, model.rope_theta and model.init_std must be positive, got "
                 f"{self.norm_eps!r}, {self.rope_theta!r}, {self.init_std!r}."
             )
+
+        if self.n_experts:
+            check_moe(self)
 
     @property
     def head_dim(self) -> int:
@@ -134,25 +162,35 @@ PRESETS: dict[str, LlamaConfig] = {
         rope_theta=500000.0,
     ),
 }
+PRESETS.update({name: LlamaConfig(**kw) for name, kw in MOE_PRESETS.items()})
 SHAPE_ONLY_PRESETS: frozenset[str] = frozenset(
-    {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b"}
-)
+    {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b",
+     "qwen3-30b-a3b", "deepseek-v3"}
+)  # fmt: skip
 """Presets for ``paratrain plan`` and memory accounting: :func:`build_llama` builds them on meta only."""
 
 
-def count_params(cfg: LlamaConfig, include_embedding: bool = True) -> int:
+def count_params(cfg: LlamaConfig, include_embedding: bool = True, active: bool = False) -> int:
     """The parameter count of ``cfg`` by arithmetic (equal to the built model's; no model is built).
 
     ``include_embedding=False`` leaves out the input embedding table but keeps the output head; with tied
-    embeddings the one shared matrix is counted once, as the head.
+    embeddings the one shared matrix is counted once, as the head. ``active=True`` counts, in MoE layers, the
+    ``top_k`` experts a token runs through instead of all of them.
     """
     kv = cfg.n_kv_heads * cfg.head_dim
     attention = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2  # wq, wo + wk, wv
     mlp = 3 * cfg.dim * cfg.ffn_hidden
-    per_layer = attention + mlp + 2 * cfg.dim  # + two RMSNorm weights
+    moe = mlp
+    if cfg.n_experts:
+        expert = 3 * cfg.dim * (cfg.moe_hidden or cfg.ffn_hidden)
+        routed = cfg.top_k if active else cfg.n_experts
+        moe = cfg.dim * cfg.n_experts + expert * (routed + cfg.n_shared_experts)  # gate + experts + shared
+    n_moe = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers)) if cfg.n_experts else 0
+    per_layer = attention + 2 * cfg.dim  # + two RMSNorm weights
     embedding = cfg.vocab_size * cfg.dim
     head = embedding  # the output matrix; shared with the embedding when tied
-    total = cfg.n_layers * per_layer + cfg.dim + head + (0 if cfg.tie_embeddings else embedding)
+    total = cfg.n_layers * per_layer + (cfg.n_layers - n_moe) * mlp + n_moe * moe
+    total += cfg.dim + head + (0 if cfg.tie_embeddings else embedding)
     if not include_embedding and not cfg.tie_embeddings:
         total -= embedding
     return total
@@ -170,7 +208,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
       ``H`` query heads of size ``Q`` and ``T = seq_len`` keys per query; counted over the full ``T x T``
       square although the causal mask skips half, as PaLM (and most MFU reports) do.
     """
-    n_matmul = count_params(cfg, include_embedding=False)
+    n_matmul = count_params(cfg, include_embedding=False, active=True)
     return float(6 * n_matmul + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len)
 
 

@@ -78,6 +78,10 @@ class StrategySpec:
     compiles_with_tp: bool = False
     """``--compile`` with ``tp > 1`` (not in torch 2.13: the compiled backward fails on DTensor gradients)."""
     pp_schedules: tuple[str, ...] = field(default=())
+    uses_ep: bool = False
+    """Splits the experts of an MoE model over an ``ep`` axis borrowed from the data-parallel ranks."""
+    ep_default: Literal["rest", "two"] = "rest"
+    """``--ep`` left out: every data-parallel rank (``rest``) or 2 when they divide by 2."""
 
     @property
     def model_parallel(self) -> bool:
@@ -100,11 +104,15 @@ class StrategySpec:
             "comm_algorithms": list(self.comm_algorithms),
             "pp_schedules": list(self.pp_schedules),
             "fp16": self.fp16_scaling,
+            "ep": self.uses_ep,
         }
 
 
 _ALL = ("pp", "dp_replicate", "dp_shard", "tp")
 _SHM = "'native': the backend's reduce-scatter and all-gather; 'shm': through shared memory"
+_A2A = (
+    "the token all-to-all: 'native' is the backend's all_to_all_single, 'pairwise' paratrain.comm's send/recv"
+)
 
 STRATEGIES: dict[str, StrategySpec] = {
     s.name: s
@@ -118,7 +126,7 @@ STRATEGIES: dict[str, StrategySpec] = {
         ),
         StrategySpec(
             "dp", "paratrain's own data parallel: bucketed all-reduce (--comm-algorithm) overlapped with "
-            "backward", comm_algorithms=COMM_ALGORITHMS,
+            "backward", comm_algorithms=tuple(a for a in COMM_ALGORITHMS if a != "pairwise"),
         ),
         StrategySpec(
             "zero1", "ZeRO-1: optimizer state sharded; gradients reduce-scattered + parameters all-gathered (2Ψ)",
@@ -155,6 +163,15 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "fsdp+pp", "2-D: pipeline stages (outermost axis), each sharded with FSDP2 over the data-parallel ranks",
             sharding="full", dp_preset="shard", uses_pp=True, pp_schedules=PP_SCHEDULES, supports_mixed_precision=True, required_axes=_ALL,
+        ),
+        StrategySpec(
+            "ep", "expert parallel: each MoE layer's experts split over --ep ranks (all-to-all), dense replicated",
+            uses_ep=True, required_axes=_ALL, comm_algorithms=("native", "pairwise"), comm_algorithms_help=_A2A,
+        ),
+        StrategySpec(
+            "fsdp+ep", "FSDP2 over the data-parallel ranks; experts split over --ep of them and FSDP over the rest",
+            sharding="full", dp_preset="shard", uses_ep=True, ep_default="two", supports_mixed_precision=True,
+            required_axes=_ALL, comm_algorithms=("native", "pairwise"), comm_algorithms_help=_A2A,
         ),
         StrategySpec(
             "fsdp+tp+pp", "3-D: pipeline stages, tensor parallel inside each (innermost axis), FSDP2 over the rest",
@@ -285,7 +302,24 @@ def resolve(name: str, world_size: int, config: StrategyConfig, gpus_per_node: i
                 f"topology: {flag} {given} does not divide the {dp} data-parallel ranks (world "
                 f"{world_size} / tp {tp} / pp {pp}). Give a {flag} that divides {dp}, or other --tp/--pp."
             )
-    return Topology(world_size=world_size, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
+    ep = _ep_degree(spec, rep * shard * tp, config)
+    return Topology(world_size=world_size, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, ep=ep)
+
+
+def _ep_degree(spec: StrategySpec, ranks: int, config: StrategyConfig) -> int:
+    """``--ep``, else the preset's: every one of the ``ranks`` it borrows (``rest``) or 2; refused when it
+    does not divide them."""
+    if not spec.uses_ep:
+        return 1
+    ep = config.ep
+    if ep is None:
+        ep = ranks if spec.ep_default == "rest" else (2 if ranks % 2 == 0 else 1)
+    if ranks % ep:
+        raise ConfigError(
+            f"--ep {ep} does not divide the {ranks} data-parallel ranks it borrows from. Give an --ep that "
+            f"divides {ranks}."
+        )
+    return ep
 
 
 # ---- refusals -----------------------------------------------------------------------------------------
@@ -301,8 +335,24 @@ def check(name: str, world_size: int, config: StrategyConfig, gpus_per_node: int
         _check_model_parallel(spec, topology, config)
     else:
         _check_data_parallel(spec, topology, config, gpus_per_node or world_size)
+    if spec.uses_ep:
+        _check_expert_parallel(spec, topology)
     check_comm_algorithm(spec.name, config.comm_algorithm)
     return topology
+
+
+def _check_expert_parallel(spec: StrategySpec, topology: Topology) -> None:
+    if topology.ep == 1 and topology.world_size > 1:
+        raise ConfigError(
+            f"strategy {spec.name!r} splits the experts over an ep axis, but it came out as ep 1 on "
+            f"{topology.world_size} ranks. Give --ep N (N > 1, dividing the ranks), or use --strategy "
+            f"{'zero3' if spec.uses_fsdp else 'ddp'} to replicate the experts."
+        )
+    if spec.uses_fsdp and topology.dp_replicate > 1:
+        raise ConfigError(
+            f"strategy {spec.name!r} shards over all data-parallel ranks; --dp-replicate "
+            f"{topology.dp_replicate} is not supported with expert parallelism. Leave it out."
+        )
 
 
 def _able(capability: str) -> str:
@@ -319,6 +369,12 @@ def _check_options(spec: StrategySpec, config: StrategyConfig) -> None:
         raise ConfigError(
             f"strategy.mixed_precision={config.mixed_precision!r} is FSDP2's policy and needs one of "
             f"{_able('supports_mixed_precision')}; with {spec.name!r} use --precision bf16 (autocast) instead."
+        )
+    if config.ep is not None and not spec.uses_ep:
+        raise ConfigError(
+            f"--ep {config.ep} splits the experts of a mixture-of-experts model, which strategy {spec.name!r} "
+            f"does not do. Use --strategy {' or '.join(n for n, x in STRATEGIES.items() if x.uses_ep)}, or leave "
+            "--ep out."
         )
     if config.shard_size is not None and not spec.uses_shard_size:
         raise ConfigError(

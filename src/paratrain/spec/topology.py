@@ -47,6 +47,10 @@ class Topology:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of each MoE layer are split over ``ep`` ranks borrowed from the
+    data-parallel and tensor-parallel ranks of a stage (:mod:`paratrain.parallel.expert`); not a factor of the
+    world size."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", *AXES):
@@ -59,6 +63,12 @@ class Topology:
                 f"topology: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
                 f"tp {self.tp} = {product}, but the world size is {self.world_size}. Choose degrees whose "
                 f"product is {self.world_size} (--pp, --dp-replicate, --dp-shard, --tp)."
+            )
+        borrowed = self.dp_replicate * self.dp_shard * self.tp
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or borrowed % self.ep:
+            raise ConfigError(
+                f"topology: ep {self.ep} must divide the ranks it borrows, dp_replicate {self.dp_replicate} x "
+                f"dp_shard {self.dp_shard} x tp {self.tp} = {borrowed}. Give an --ep that divides {borrowed}."
             )
 
     @classmethod
@@ -82,10 +92,17 @@ class Topology:
         return cls(world_size=world_size, **degrees)
 
     @classmethod
-    def of(cls, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1) -> Topology:
-        """The topology of these degrees (the world size is their product)."""
+    def of(
+        cls, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1, ep: int = 1
+    ) -> Topology:
+        """The topology of these degrees (the world size is their product; ``ep`` borrows from them)."""
         return cls(
-            dp_replicate * dp_shard * tp * pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp
+            dp_replicate * dp_shard * tp * pp,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            tp=tp,
+            pp=pp,
+            ep=ep,
         )
 
     # ---- derived ---------------------------------------------------------------------------------------
@@ -114,18 +131,21 @@ class Topology:
         return math.prod(self.degree(a) for a in inner)
 
     def degrees(self) -> dict[str, int]:
-        return {a: getattr(self, a) for a in AXES}
+        """The degree of every mesh axis, and ``ep`` when experts are split."""
+        return {a: getattr(self, a) for a in AXES} | ({"ep": self.ep} if self.ep > 1 else {})
 
     def to_dict(self) -> dict[str, int]:
-        """The degrees as the planner's JSON ``layout`` reports them."""
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
+        """The degrees as the planner's JSON ``layout`` reports them (``ep`` when experts are split)."""
+        out = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
+        return out | ({"ep": self.ep} if self.ep > 1 else {})
 
     def short(self) -> str:
         """``dp_replicate x dp_shard x tp x pp`` as ``RxSxTxP``."""
         return f"{self.dp_replicate}x{self.dp_shard}x{self.tp}x{self.pp}"
 
     def describe(self) -> str:
-        return " x ".join(f"{a} {getattr(self, a)}" for a in AXES) + f" = {self.world_size} ranks"
+        ep = f" (experts: ep {self.ep})" if self.ep > 1 else ""
+        return " x ".join(f"{a} {getattr(self, a)}" for a in AXES) + f" = {self.world_size} ranks{ep}"
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along every axis (row-major over :data:`AXES`, innermost ``tp``)."""

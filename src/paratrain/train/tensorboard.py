@@ -7,7 +7,9 @@ Tags, each at the optimizer step it belongs to:
 - ``throughput/samples_per_s``, ``throughput/tokens_per_s`` (language models), over each logging interval;
 - ``memory/model_state_bytes`` (rank 0's parameters + gradients + optimizer state, at rest) and
   ``memory/peak_bytes`` (rank 0's live bytes during the measured step, once it is measured);
-- ``eval/loss``, ``eval/accuracy`` (classification), ``eval/perplexity`` (language models).
+- ``eval/loss``, ``eval/accuracy`` (classification), ``eval/perplexity`` (language models);
+- mixture-of-experts models: ``moe/overload``, ``moe/dropped_fraction``, ``moe/aux_loss`` and
+  ``moe/layer{i}/expert{e}`` (tokens routed to each expert in the step, summed over ranks).
 
 Written with ``torch.utils.tensorboard.SummaryWriter``, which needs the optional ``tensorboard`` package
 (``pip install 'paratrain[tensorboard]'``). Read them with ``tensorboard --logdir RUN_DIR/tensorboard``.
@@ -50,6 +52,12 @@ class TensorBoardObserver:
         self.writer.flush()  # a run that dies later keeps what was logged
 
     def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        moe = record.get("moe")
+        if isinstance(moe, dict):  # flattened into scalars: moe/overload, moe/layer0/expert3, ...
+            flat = {f"moe/{k}": moe.get(k) for k in ("overload", "dropped_fraction", "aux_loss")}
+            for i, counts in enumerate(moe.get("tokens_per_expert") or []):
+                flat.update({f"moe/layer{i}/expert{e}": c for e, c in enumerate(counts)})
+            self._write(step, flat, {k: k for k in flat})
         self._write(step, record, _STEP_TAGS)
 
     def on_eval(self, step: int, record: dict[str, Any]) -> None:

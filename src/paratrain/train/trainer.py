@@ -35,6 +35,7 @@ from paratrain.checkpoint import CheckpointManager
 from paratrain.config import RunConfig
 from paratrain.data import Batch, DistributedBatchSampler, Splits
 from paratrain.faults import peer_guard
+from paratrain.models.moe import after_optimizer_step, moe_layers, pop_aux_loss
 from paratrain.parallel import Strategy, canonical_name, model_state_bytes
 from paratrain.runtime import Context, get_logger
 from paratrain.spec.hardware import gpu_peak_flops
@@ -227,6 +228,8 @@ class Trainer:
         """The global gradient norm of the last step, when ``optimizer.grad_clip`` computes it."""
         self.step_lr: float | None = None
         """The learning rate the last optimizer step used (logged as ``lr``; the scheduler has moved on)."""
+        self.moe_stats: dict[str, Any] | None = {} if moe_layers(model) else None
+        """MoE models: the last step's expert load (:func:`paratrain.models.moe.after_optimizer_step`)."""
         self.nonfinite_skips = 0
         """Steps skipped because of a non-finite loss or gradient (``--set train.on_nonfinite=skip``)."""
 
@@ -240,7 +243,9 @@ class Trainer:
 
     # ---- helpers --------------------------------------------------------------------------------------
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return loss_function(self.data.task)(out, y)
+        loss = loss_function(self.data.task)(out, y)
+        aux = pop_aux_loss(self.model) if self.moe_stats is not None else None  # MoE balance loss
+        return loss if aux is None else loss + aux
 
     def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (every rank holds the same number of samples)."""
@@ -288,6 +293,8 @@ class Trainer:
                 self.grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optimizer.grad_clip)
             st.precision.step(self.optimizer)
             st.scheduler.step()
+        if self.moe_stats is not None:  # expert counts summed over the data-parallel ranks, bias updated
+            self.moe_stats = after_optimizer_step(self.model, self.strategy.dp_group, t.grad_accum)
         return loss
 
     @torch.no_grad()
@@ -383,7 +390,7 @@ class Trainer:
                     self.observers.on_step_end(st.step, {
                         "step": st.step, "loss": logged[-1], "lr": self.step_lr,
                         "train_time_s": time.perf_counter() - t0 - eval_time, "grad_norm": self.grad_norm,
-                        "peak_bytes": peak})  # fmt: skip
+                        "peak_bytes": peak, **({"moe": self.moe_stats} if self.moe_stats else {})})  # fmt: skip
                 if t.eval_every and st.step % t.eval_every == 0 and st.step < st.total_steps:
                     e0 = time.perf_counter()
                     acc_i, eloss_i = self.evaluate()
@@ -458,6 +465,8 @@ class Trainer:
             "cuda_peak_reserved_bytes_per_rank": int(mem[3]) if on_cuda else None,
             "nonfinite_skipped_steps": self.nonfinite_skips,
         }
+        if self.moe_stats is not None:
+            extra["moe"] = self.moe_stats or None
         if self.data.task == "lm":
             seq = int(self.data.train.x.shape[1])
             extra["tokens_per_s"] = samples_per_s * seq if samples_per_s is not None else None

@@ -1,0 +1,257 @@
+"""``ep`` and ``fsdp+ep``: expert parallelism for mixture-of-experts models (:mod:`paratrain.models.moe`).
+
+**Layout** (torchtitan's dp2ep). The dense part of the model (attention, norms, router, shared expert,
+embeddings) is laid out as usual over the data-parallel ranks: replicated (``ep``) or sharded by FSDP2
+(``fsdp+ep``). The routed experts are split by expert over an ``ep`` axis that *borrows* ranks from those
+data-parallel ranks: each group of ``ep`` consecutive ranks holds one copy of every expert, ``n_experts / ep``
+on each rank, as DTensors ``Shard(0)`` of the stacked ``[E, ...]`` weights (so a checkpoint stores each expert
+under its original name and global index, and DCP reshards it to any ``ep``). The ranks left over, ``edp =
+world / ep``, hold copies of the same expert shard: replicated (``ep``), or sharded further by FSDP2 over
+``edp`` (``fsdp+ep``). The experts' mesh is its own 2-D DeviceMesh ``("edp", "ep")`` over the same ranks.
+
+**Communication schedule of one MoE layer**, forward (each rank routes its own tokens):
+
+1. the router picks ``top_k`` experts per token; the assignments are sorted, stably, into expert-major
+   order (:func:`paratrain.models.moe.route_tables`), so the rows for the experts of ep rank ``j`` are one
+   contiguous block;
+2. the rows per (destination rank, expert) are exchanged first: an all-to-all of ``n_experts`` integers;
+3. dispatch: ``all_to_all_single`` with uneven splits sends each block to the rank owning its experts
+   (``--comm-algorithm native``), or paratrain's pairwise send/recv exchange (``pairwise``,
+   :func:`paratrain.comm.all_to_all`); a rank whose experts receive no token takes part with empty blocks;
+4. the received rows (source-major) are permuted, stably, into local-expert-major order, computed by the
+   grouped GEMM, and permuted back;
+5. combine: the reverse all-to-all returns each row to its token's rank, where the ``top_k`` outputs are
+   summed with the router's weights in slot order (deterministic; no scatter-add).
+
+Backward runs the same two all-to-alls in reverse (the gradient of an all-to-all is the all-to-all with
+the splits swapped). Volume per MoE layer and direction: ``top_k * tokens * dim * (ep - 1) / ep`` elements
+per rank each way, forward and backward.
+
+**Gradients.** Each rank's loss is the mean over its own tokens, and the global objective is the mean over
+the ``world`` ranks. An expert's gradient on a rank already sums, through the all-to-all's backward, the
+contributions of the tokens of its ``ep`` group; ``ep`` then sums it over the ``edp`` copies (one all-reduce)
+and divides by ``world``; ``fsdp+ep`` lets FSDP2 reduce-scatter it over ``edp`` (a mean over ``edp``) and
+divides the shard by ``ep``. Dense gradients are averaged over all data-parallel ranks (``ep``: bucketed all-reduces after the
+last micro-batch; ``fsdp+ep``: FSDP2's reduce-scatter). Clipping takes one global norm over dense and expert
+gradients together (:func:`paratrain.parallel.grads.clip_grad_norm`: squares of expert shards all-reduced
+over ``ep`` and, under FSDP, ``edp``), equal to the single-process norm.
+
+Reference: torchtitan's expert parallel (https://github.com/pytorch/torchtitan, ``torchtitan/distributed/
+expert_parallel.py``); DeepSpeed-MoE (Rajbhandari et al. 2022, https://arxiv.org/abs/2201.05596).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain import comm
+from paratrain.config import StrategyConfig
+from paratrain.errors import ConfigError
+from paratrain.models.moe import GroupedExperts, MoE, moe_layers
+from paratrain.parallel.grads import all_reduce_replicas, clip_grad_norm, no_gradient_sync
+from paratrain.parallel.optim import parameter_names, rebind_optimizer
+from paratrain.parallel.registry import register_strategy
+from paratrain.parallel.strategy import LossFn, Strategy
+from paratrain.parallel.tensor import ModelParallel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from paratrain.data.batch import Batch
+
+
+# ---- dispatch and combine ----------------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """Rows ``send[j]`` to rank ``j``, ``recv[j]`` from rank ``j``; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, recv: list[int], send: list[int], group: Any, algorithm: str
+    ) -> torch.Tensor:
+        ctx.args = (recv, send, group, algorithm)
+        return comm.all_to_all(x, recv, send, algorithm=algorithm, group=group, check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        recv, send, group, algorithm = ctx.args
+        back = comm.all_to_all(grad.contiguous(), send, recv, algorithm=algorithm, group=group, check=False)
+        return back, None, None, None, None
+
+
+class ExpertDispatch:
+    """The ``MoE.dispatcher`` of one rank: rows in global-expert-major order -> the experts' owners -> back."""
+
+    def __init__(self, group: Any, ep: int, algorithm: str) -> None:
+        self.group, self.ep, self.algorithm = group, ep, algorithm
+        self.bytes_sent = 0
+        """Bytes of token rows this rank sent to other ranks in forward passes (dispatch + combine); backward
+        sends the same again."""
+
+    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep = self.ep
+        n_local = counts.numel() // ep
+        table = counts.to(torch.int64).view(ep, n_local)  # rows for (destination rank, its local expert)
+        theirs = comm.all_to_all(
+            table.reshape(-1).contiguous(), [n_local] * ep, [n_local] * ep,
+            algorithm=self.algorithm, group=self.group, check=False,
+        ).view(ep, n_local)  # rows from (source rank, my local expert)  # fmt: skip
+        send, recv = table.sum(1).tolist(), theirs.sum(1).tolist()
+        me = dist.get_rank(self.group)
+        self.bytes_sent += 2 * (sum(send) - send[me]) * rows.shape[1] * rows.element_size()
+        got = _AllToAll.apply(rows, recv, send, self.group, self.algorithm)  # source-major
+        # source-major -> local-expert-major, stable (tokens keep their source order within an expert)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(n_local, device=got.device).repeat(ep), theirs.reshape(-1).to(got.device)
+        )
+        perm = torch.argsort(expert_of_row, stable=True)
+        out = experts(got[perm], theirs.sum(0))
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        return _AllToAll.apply(out[inverse], send, recv, self.group, self.algorithm)
+
+
+# ---- the strategies ------------------------------------------------------------------------------------------
+class _ExpertParallel(ModelParallel):
+    """Experts split over ``ep`` ranks borrowed from the data-parallel ones; the dense part replicated
+    (``ep``) or FSDP-sharded (``fsdp+ep``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.expert_mesh: DeviceMesh | None = None
+        if self.mesh is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            ep = self.topology.ep
+            shape = (self.topology.world_size // ep, ep)
+            self.expert_mesh = init_device_mesh(self.ctx.device.type, shape, mesh_dim_names=("edp", "ep"))
+
+    # ---- checked before launch (the preset and its refusals: paratrain.spec.strategies) -------------
+    @classmethod
+    def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
+        super().check_model(model, world_size, config)
+        topo = cls.topology_for(world_size, config)
+        check_model_experts(model, topo.ep, topo.dp_size * topo.tp)
+
+    # ---- applied in every worker ----------------------------------------------------------------------
+    def apply_tensor_parallel(self, model: nn.Module) -> nn.Module:
+        """Split every MoE layer's experts over ``ep`` (before the optimizer is built) and install the
+        all-to-all dispatcher."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        assert self.expert_mesh is not None, (
+            "build the strategy with build_strategy(): it needs the run's mesh"
+        )
+        check_model_experts(model, self.topology.ep)
+        self._names_before_tp.update(parameter_names(model))
+        mesh = self.expert_mesh["ep"] if self.uses_fsdp else self.expert_mesh
+        placements = [Shard(0)] if self.uses_fsdp else [Replicate(), Shard(0)]
+        ep, me = self.topology.ep, self.expert_mesh.get_local_rank("ep")
+        dispatch = ExpertDispatch(self.expert_mesh.get_group("ep"), ep, self.config.comm_algorithm)
+        for moe in moe_layers(model):
+            experts = moe.experts
+            for name, p in list(experts.named_parameters(recurse=False)):
+                # every rank initialised the full stack from the same seed: keep this rank's experts
+                local = p.detach().chunk(ep, dim=0)[me].contiguous()
+                shard = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())  # fmt: skip
+                experts.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+            moe.dispatcher = dispatch
+        return model
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
+        model = model.to(self.ctx.device)
+        names = self.parameter_names(model)
+        if self.uses_fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            from paratrain.parallel.fsdp import shard_units
+
+            assert self.expert_mesh is not None
+            for moe in moe_layers(model):  # the experts first: their own unit, sharded further over edp
+                fully_shard(moe.experts, mesh=self.expert_mesh["edp"], reshard_after_forward=True)
+            self.fully_shard(shard_units(model, self.config.shard_units), [model])
+        return model, rebind_optimizer(optimizer, names, model)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return no_gradient_sync(model) if self.uses_fsdp else contextlib.nullcontext()
+
+    def forward_backward(
+        self, model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Any, micro_batches: int
+    ) -> torch.Tensor:
+        loss = Strategy.forward_backward(self, model, batch, loss_fn, precision, micro_batches)
+        if not self.uses_fsdp:
+            self.sync_gradients(model)
+        elif self.topology.ep > 1:
+            # FSDP2's reduce-scatter over edp averaged the expert gradients (sum / edp); each was already a
+            # sum over its ep group's tokens, so one more 1/ep makes it the mean over every rank. (FSDP2's
+            # set_gradient_divide_factor would fold this in, but it needs PREMUL_SUM, which Gloo lacks.)
+            for moe in moe_layers(model):
+                for p in moe.experts.parameters():
+                    if p.grad is not None:
+                        p.grad.to_local().div_(self.topology.ep)  # type: ignore[attr-defined]
+        return loss
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """``ep``: dense gradients averaged over every rank (bucketed all-reduces), expert gradients summed
+        over the ``edp`` copies and divided by the number of ranks."""
+        from torch.distributed.tensor import DTensor
+
+        dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        world = self.topology.dp_size
+        if world > 1:
+            group = self.dp_group
+            all_reduce_replicas(dense, group, int(self.config.bucket_cap_mb * 2**20))
+        assert self.expert_mesh is not None
+        edp = self.expert_mesh.get_group("edp")
+        for p in model.parameters():
+            if isinstance(p, DTensor) and p.grad is not None:
+                g = p.grad.to_local()  # type: ignore[attr-defined]
+                if dist.get_world_size(edp) > 1:
+                    dist.all_reduce(g, group=edp)
+                g.div_(world)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(model.parameters(), max_norm, self.ctx.device)
+
+
+def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> None:
+    """Refuse a model without MoE layers, or whose expert count ``ep`` does not divide (``ranks``: the ranks
+    ``ep`` borrows from; the degrees suggested divide them too)."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"expert parallelism (--ep {ep}) splits the experts of a mixture-of-experts model, and "
+            f"{type(model).__name__} has no MoE layer. Use an MoE model (--model llama-moe-debug, "
+            "llama-moe-small, or --set model.n_experts=8), or a strategy without ep (ddp, zero3)."
+        )
+    n = layers[0].n_experts
+    if n % ep:
+        divisors = [d for d in range(2, n + 1) if n % d == 0 and (ranks is None or ranks % d == 0)]
+        fix = f"Use --ep one of {', '.join(map(str, divisors))}, or" if divisors else "Use"
+        raise ConfigError(
+            f"--ep {ep} does not divide the model's {n} experts (model.n_experts={n}): each ep rank holds an "
+            f"equal share. {fix} a model.n_experts that --ep {ep} divides."
+        )
+
+
+@register_strategy("ep")
+class ExpertParallel(_ExpertParallel):
+    description = (
+        "expert parallel: each MoE layer's experts split over all ranks (all-to-all), dense replicated"
+    )
+
+
+@register_strategy("fsdp+ep")
+class FSDPExpertParallel(_ExpertParallel):
+    description = "FSDP2 over the data-parallel ranks; experts split over --ep of them and FSDP over the rest"
+    uses_fsdp = True
+    supports_mixed_precision = True
+    ep_default = "two"
+
+
+__all__ = ["ExpertDispatch", "ExpertParallel", "FSDPExpertParallel", "MoE", "check_model_experts"]

@@ -1,0 +1,68 @@
+"""MoE checkpoints as a user resumes them: experts are saved under their original names with their global
+index (DCP reshards them), so a run saved under ``ep`` on 2 ranks continues under ``ep`` on 4 and then under
+``single`` on the single-process loss curve; a resume at the same layout is bit-exact; a checkpoint with
+another number of experts is refused before launch, naming both counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import last_json, run_cli
+
+pytestmark = pytest.mark.e2e
+
+MOE = [
+    "--model", "llama-moe-debug", "--data", "python-stdlib", "--set", "data.max_bytes=60000", "--seq-len", "32",
+    "--set", "model.n_layers=2", "--batch-size", "8", "--lr", "0.003", "--set", "model.aux_loss_coef=0.01",
+    "--set", "model.bias_update_rate=0.01", "--set", "train.eval_every=0", "--json",
+]  # fmt: skip
+
+
+def _train(tmp_path: Path, steps: int, strategy: str, ranks: int, ckpt: Path | None, *extra: str) -> dict:
+    args = [
+        "train",
+        *MOE,
+        "--steps",
+        str(steps),
+        "--strategy",
+        strategy,
+        "--nproc-per-node",
+        str(ranks),
+        *extra,
+    ]
+    if ckpt is not None:
+        args += ["--ckpt-dir", str(ckpt), "--set", "checkpoint.save_at_end=true"]
+    else:
+        args += ["--set", "checkpoint.save_at_end=false"]
+    return last_json(run_cli(*args, cwd=tmp_path, timeout=240).stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ep2_to_ep4_to_single_continues_the_single_curve(tmp_path: Path) -> None:
+    ref = _train(tmp_path, 6, "single", 1, None)
+    ckpt = tmp_path / "ckpt"
+    a = _train(tmp_path, 2, "ep", 2, ckpt)
+    b = _train(tmp_path, 4, "ep", 4, ckpt)
+    c = _train(tmp_path, 6, "single", 1, ckpt)
+    assert (a["resumed_from_step"], b["resumed_from_step"], c["resumed_from_step"]) == (None, 2, 4)
+    assert a["losses"] + b["losses"][2:] + c["losses"][4:] == pytest.approx(ref["losses"], rel=1e-4)
+    assert c["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_same_layout_resume_is_bit_exact_and_wrong_expert_count_refused(tmp_path: Path) -> None:
+    whole = _train(tmp_path, 4, "ep", 2, None)
+    ckpt = tmp_path / "ckpt"
+    _train(tmp_path, 2, "ep", 2, ckpt)
+    resumed = _train(tmp_path, 4, "ep", 2, ckpt)
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["param_sha256"] == whole["param_sha256"]
+    proc = run_cli("train", *MOE, "--steps", "6", "--strategy", "single", "--ckpt-dir", str(ckpt),
+                   "--set", "model.n_experts=4", cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "the checkpoint has 8 experts per MoE layer, the model 4 (model.n_experts)" in proc.stderr, (
+        proc.stderr
+    )
