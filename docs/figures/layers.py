@@ -14,17 +14,18 @@ import matplotlib.pyplot as plt
 
 LAYERS = [
     ("cli", ["cli"], "parse flags, build a typed config, call one function"),
-    ("tools", ["diagnose", "bench"], "lint, doctor, guard; bench comm"),
-    ("plan", ["plan"], "memory, communication, time: pure numbers"),
+    ("tools", ["diagnose", "bench", "lint"], "doctor, guard, plot; bench; lint (torch-free)"),
+    ("plan", ["plan"], "memory, communication, time: pure numbers, no torch"),
     ("launch", ["launch"], "torch elastic agent, rendezvous, failures, signals, slurm"),
     ("train", ["train"], "trainer, lifecycle, worker entry, precision, metrics"),
     ("strategies", ["parallel", "checkpoint"], "one topology -> DeviceMesh; DCP storage"),
-    ("inputs", ["data", "models"], "datasets, batches; models + TP/PP plans"),
-    ("algorithms", ["comm"], "collectives from send/recv"),
+    ("inputs", ["data", "models"], "datasets, batches; models + their ModelSpec (TP/PP plans)"),
+    ("algorithms", ["comm"], "collectives from send/recv; transports behind comm/communicator"),
     ("fault injection", ["faults"], "fault injection, dead-peer naming"),
+    ("description", ["spec"], "torch-free: Topology, StrategySpec, hardware, cost, shapes"),
     ("process", ["runtime", "testing"], "Context / init, test harness"),
     ("config", ["config"], "typed dataclasses, one converter, generated flags"),
-    ("errors", ["errors"], "ConfigError, suggest()"),
+    ("errors", ["errors", "procfs"], "ConfigError, suggest(); /proc parser"),
 ]
 
 
