@@ -206,8 +206,9 @@ class DataConfig:
     seq_len: int = option(256)
     """Text datasets: tokens per training sequence (batches are packed, fixed-length sequences)."""
     tokenizer: str = "byte"
-    """Text datasets: ``byte`` (UTF-8 bytes, vocabulary 256) or ``bpe:N`` (a BPE of N tokens trained with
-    Hugging Face tokenizers on the training split, cached in the run directory)."""
+    """Text datasets: ``byte`` (UTF-8 bytes, vocabulary 256), ``bpe:N`` (a BPE of N tokens trained with
+    Hugging Face tokenizers on the training split, cached in the run directory) or ``hf:DIR`` (a Hugging Face
+    model's ``tokenizer.json``; the default with ``--model hf:DIR`` when the directory has one)."""
     max_bytes: int | None = None
     """Text datasets: read at most this many bytes of each split (``None``: all)."""
     cache_dir: str | None = None
@@ -221,7 +222,7 @@ class DataConfig:
         _check_positive("data", "num_samples", self.num_samples)
         _check_positive("data", "seq_len", self.seq_len)
         _check_positive("data", "max_bytes", self.max_bytes, allow_none=True)
-        if self.tokenizer != "byte" and not (
+        if self.tokenizer != "byte" and not self.tokenizer.startswith("hf:") and not (
             self.tokenizer.startswith("bpe:")
             and self.tokenizer[4:].isdigit()
             and int(self.tokenizer[4:]) > 256

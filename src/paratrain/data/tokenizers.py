@@ -9,6 +9,10 @@ A tokenizer is named by a spec string (``data.tokenizer``):
   no validation text leaks into the vocabulary. The 256 byte symbols are always in the vocabulary, so any
   text encodes without an unknown token and decodes back exactly. A small corpus may run out of pairs to
   merge before ``N``; the ids above the learned ones are then unused.
+- ``hf:DIR``: a Hugging Face model's own tokenizer, ``DIR/tokenizer.json`` (read with ``tokenizers``), with the
+  model's BOS and EOS ids (``tokenizer_config.json``'s ``bos_token``/``eos_token``, else ``config.json``'s
+  ``bos_token_id``/``eos_token_id``). ``--model hf:DIR`` picks it when ``data.tokenizer`` is left unset.
+  Each document is encoded as ``BOS + text + EOS`` (whichever of the two the model has).
 
 A trained BPE is written to ``CACHE_DIR/tokenizer-bpeN-HASH.json`` (the run directory), where ``HASH`` is a
 digest of the spec and of the training text; a later run with the same corpus and vocabulary size loads
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
+    "HFDirTokenizer",
     "Tokenizer",
     "build_tokenizer",
     "cache_path",
@@ -160,6 +165,62 @@ class BPETokenizer(Tokenizer):
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
+class HFDirTokenizer(Tokenizer):
+    """The tokenizer of a Hugging Face model directory (``tokenizer.json``), with its BOS/EOS ids."""
+
+    def __init__(self, directory: str | Path) -> None:
+        import tokenizers
+
+        d = Path(directory).expanduser()
+        path = d / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"data.tokenizer=hf:{d}: {d} has no tokenizer.json (the fast tokenizer file of "
+                "save_pretrained). Save the tokenizer there, or set data.tokenizer=byte or bpe:N."
+            )
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        self.spec = f"hf:{d}"
+        self.path: Path | None = path
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.bos_id = self._special(d, "bos")
+        self.eos_id = self._special(d, "eos")
+
+    def _special(self, d: Path, which: str) -> int | None:
+        import json
+
+        cfg_path = d / "tokenizer_config.json"
+        if cfg_path.is_file():
+            token = json.loads(cfg_path.read_text()).get(f"{which}_token")
+            if isinstance(token, dict):
+                token = token.get("content")
+            if isinstance(token, str) and self._tok.token_to_id(token) is not None:
+                return int(self._tok.token_to_id(token))
+        model_cfg = d / "config.json"
+        if model_cfg.is_file():
+            value = json.loads(model_cfg.read_text()).get(f"{which}_token_id")
+            if isinstance(value, int) and 0 <= value < self.vocab_size:
+                return value
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return str(self._tok.decode(values, skip_special_tokens=True))
+
+    def wrap(self, ids: list[int]) -> list[int]:
+        """``BOS + ids + EOS`` with the ids the model has."""
+        bos = [self.bos_id] if self.bos_id is not None else []
+        eos = [self.eos_id] if self.eos_id is not None else []
+        return bos + ids + eos
+
+    def encode_documents(self, docs: Sequence[str], separator: str) -> torch.Tensor:
+        encodings = self._tok.encode_batch_fast(list(docs), add_special_tokens=False)
+        parts = [torch.tensor(self.wrap(list(enc.ids)), dtype=torch.int64) for enc in encodings]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
 def parse_spec(spec: str) -> tuple[str, int]:
     """``"byte"`` -> ``("byte", 256)``; ``"bpe:4096"`` -> ``("bpe", 4096)``; anything else is a ConfigError."""
     if spec == "byte":
@@ -197,6 +258,8 @@ def build_tokenizer(spec: str, train_texts: Sequence[str], cache_dir: str | Path
 
     With ``cache_dir=None`` a BPE is trained in memory and not saved.
     """
+    if spec.startswith("hf:"):
+        return HFDirTokenizer(spec[3:])
     kind, size = parse_spec(spec)
     if kind == "byte":
         return ByteTokenizer()
@@ -212,7 +275,10 @@ def build_tokenizer(spec: str, train_texts: Sequence[str], cache_dir: str | Path
 
 
 def load_tokenizer(spec: str, path: str | Path | None = None) -> Tokenizer:
-    """Reload a tokenizer for sampling: ``byte`` needs no file; ``bpe:N`` reads the JSON at ``path``."""
+    """Reload a tokenizer for sampling: ``byte`` needs no file; ``bpe:N`` reads the JSON at ``path``;
+    ``hf:DIR`` reads ``DIR/tokenizer.json``."""
+    if spec.startswith("hf:"):
+        return HFDirTokenizer(spec[3:])
     kind, size = parse_spec(spec)
     if kind == "byte":
         return ByteTokenizer()

@@ -54,6 +54,7 @@ def preflight_run(cfg: RunConfig) -> int:
     from paratrain.train.observe import preflight_observers
 
     preflight(cfg.launch)
+    use_model_tokenizer(cfg)
     preflight_observers(cfg)  # --tensorboard without the tensorboard package
     nnodes = int(cfg.launch.nnodes.split(":")[0])
     nproc = resolve_nproc(cfg.launch)
@@ -129,6 +130,16 @@ def preflight_run(cfg: RunConfig) -> int:
         if topo.ep > 1:
             cfg.strategy.ep = topo.ep
     return world
+
+
+def use_model_tokenizer(cfg: RunConfig) -> None:
+    """``--model hf:DIR`` with ``data.tokenizer`` left at ``byte``: tokenize with the model's own
+    ``DIR/tokenizer.json`` (and its BOS/EOS), when it has one."""
+    name = cfg.model.name
+    if name.startswith("hf:") and cfg.data.tokenizer == "byte":
+        d = Path(name[3:]).expanduser()
+        if (d / "tokenizer.json").is_file():
+            cfg.data.tokenizer = f"hf:{d}"
 
 
 def check_model_fits_data(model: str, dataset: str, task: str, input_shape: tuple[int, ...]) -> None:

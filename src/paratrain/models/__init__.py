@@ -11,6 +11,8 @@ from torch import nn
 from paratrain.config import ModelConfig
 from paratrain.errors import ConfigError, suggest
 
+HF_PREFIX = "hf:"
+"""``--model hf:DIR``: a Hugging Face causal LM from a local directory."""
 ModelBuilder = Callable[[ModelConfig, tuple[int, ...], int], nn.Module]
 _REGISTRY: dict[str, ModelBuilder] = {}
 
@@ -34,7 +36,10 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int
 
 
 def get_model_builder(name: str) -> ModelBuilder:
-    """The builder registered as ``name``; :class:`ConfigError` with a suggestion otherwise."""
+    """The builder registered as ``name``; :class:`ConfigError` with a suggestion otherwise. ``hf:DIR`` is a
+    Hugging Face model directory (:mod:`paratrain.models.hf`), checked here (config.json, weight files)."""
+    if name.startswith(HF_PREFIX):
+        return _hf(name)
     _load_builtin()
     if name not in _REGISTRY:
         raise ConfigError(f"unknown model {name!r}. {suggest(name, available_models())}")
@@ -43,8 +48,11 @@ def get_model_builder(name: str) -> ModelBuilder:
 
 def is_language_model(name: str) -> bool:
     """Whether model ``name`` is a language model (the Llama presets: token ids in, next-token logits out);
-    the others (mlp, cnn, resnet*) take tensor data."""
+    the others (mlp, cnn, resnet*) take tensor data. ``hf:DIR`` models are causal language models."""
     from paratrain.models.llama import PRESETS
+
+    if name.startswith(HF_PREFIX):
+        return True
 
     return name in PRESETS
 
@@ -69,6 +77,22 @@ def _llama(preset: str) -> ModelBuilder:
         o.setdefault("vocab_size", num_outputs)
         o.setdefault("max_seq_len", max(PRESETS[preset].max_seq_len, input_shape[0]))
         return build_llama(preset, o)
+
+    return build
+
+
+def _hf(name: str) -> ModelBuilder:
+    """Builder of ``hf:DIR``: ``transformers``' own model (imported only now), parameters on the meta device
+    when DIR has weights (each rank reads its part after the strategy split the model)."""
+    from paratrain.models.hf import check_hf_dir, hf_dir_of
+
+    d = hf_dir_of(name)
+    check_hf_dir(d)
+
+    def build(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
+        from paratrain.models.hf import build_hf_model
+
+        return build_hf_model(d, num_outputs)
 
     return build
 

@@ -11,7 +11,9 @@ what the spec provides:
   ``stage_blocks(stage)``: the blocks of a stage (its FSDP units under ``fsdp+pp``);
 - ``fsdp_units(model)``: the blocks sharded one by one (FSDP units, activation-checkpointing and compile
   units); without it, ``model.blocks`` or ``model.layers`` are used;
-- ``flops_per_token(model, seq_len)``: training FLOPs per token (forward + backward) for MFU.
+- ``flops_per_token(model, seq_len)``: training FLOPs per token (forward + backward) for MFU;
+- ``materialize(model, device)``: for a model whose parameters were built on the meta device (its weights
+  come from files), allocate what this rank holds after the split and read it.
 
 A family registers its spec with :func:`register_model_spec` (the built-in families when
 :mod:`paratrain.models` is imported; this module imports none of them) under a predicate on the module (usually an
@@ -56,6 +58,9 @@ class ModelSpec:
     """The blocks to shard one by one; ``None``: ``model.blocks``/``model.layers``."""
     flops_per_token: Callable[[nn.Module, int], float] | None = None
     """``(model, seq_len) -> training FLOPs per token``."""
+    materialize: Callable[[nn.Module, Any], None] | None = None
+    """``(model, device)``: allocate and fill the parameters of a model built with them on the meta device
+    (weights loaded from files), after the strategy split and sharded it, so each rank reads what it holds."""
 
 
 _ENTRIES: list[tuple[Callable[[nn.Module], bool], ModelSpec]] = []

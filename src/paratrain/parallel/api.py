@@ -13,8 +13,10 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
+from paratrain.parallel.optim import parameter_names, rebind_optimizer
+from paratrain.parallel.parallelize import materialize_deferred
 from paratrain.parallel.registry import check_strategy, get_strategy
-from paratrain.parallel.strategy import Strategy
+from paratrain.parallel.strategy import Strategy, has_meta_parameters, to_device
 from paratrain.parallel.topology import build_mesh
 from paratrain.runtime import Context
 
@@ -70,6 +72,16 @@ def setup(
         if not hasattr(strat, "user_tp_plan"):
             raise ConfigError(f"setup(): tp_plan is for tensor-parallel strategies, not {strategy!r}")
         strat.user_tp_plan = tp_plan
-    model = strat.apply_tensor_parallel(model.to(ctx.device))
+    deferred = has_meta_parameters(model)  # a Hugging Face model built with its weights still in the files
+    names = parameter_names(model)
+    model = strat.apply_tensor_parallel(to_device(model, ctx.device))
+    if deferred and not strat.materializes_after_wrap():
+        materialize_deferred(model, ctx.device)
+        if not hasattr(strat, "user_tp_plan"):  # model-parallel wraps rebind by name themselves
+            optimizer = rebind_optimizer(optimizer, names, model)
     wrapped, opt = strat.wrap(model, optimizer)
+    if deferred and strat.materializes_after_wrap():  # FSDP2 sharded the meta model: fill each rank's shard
+        names = parameter_names(wrapped)
+        materialize_deferred(wrapped, ctx.device)
+        opt = rebind_optimizer(opt, names, wrapped)
     return Prepared(wrapped, opt, strat)

@@ -44,7 +44,7 @@ from paratrain.parallel.grads import clip_grad_norm, no_gradient_sync
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.parallelize import model_blocks
 from paratrain.parallel.registry import register_strategy
-from paratrain.parallel.strategy import Strategy
+from paratrain.parallel.strategy import Strategy, to_device
 
 
 def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
@@ -104,7 +104,7 @@ class _FullyShard(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         names = parameter_names(model)
-        model = model.to(self.ctx.device)
+        model = to_device(model, self.ctx.device)
         kw = dict(mesh=self._dp_mesh(), **self._policies())
         for unit in shard_units(model, self.config.shard_units):  # bottom-up: units first, root last
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kw)

@@ -27,8 +27,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from paratrain.config import RunConfig, ac_policy
 from paratrain.errors import ConfigError
 from paratrain.models.spec import model_blocks as spec_model_blocks
+from paratrain.models.spec import spec_of
 from paratrain.parallel.layers import choose_sync_batchnorm, convert_sync_batchnorm, count_batchnorm
-from paratrain.parallel.strategy import Strategy
+from paratrain.parallel.strategy import Strategy, has_meta_parameters, to_device
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module] | None:
@@ -190,7 +191,8 @@ def parallelize(
     before the data-parallel wrap, which rebinds it to sharded parameters where needed.
     """
     t = cfg.train
-    model = strategy.apply_tensor_parallel(model.to(strategy.ctx.device))
+    deferred = has_meta_parameters(model)
+    model = strategy.apply_tensor_parallel(to_device(model, strategy.ctx.device))
     micro = t.batch_size // (strategy.dp_size * t.grad_accum)
     on, why = choose_sync_batchnorm(t.sync_batchnorm, count_batchnorm(model), micro, strategy.dp_size)
     if log is not None:
@@ -206,5 +208,23 @@ def parallelize(
         n = apply_compile(model)
         if log is not None:
             log.info("torch.compile: %d module(s) compiled", n)
+    if deferred and strategy.materializes_after_wrap():  # FSDP2 shards the meta model, then each rank fills its shard
+        model, _ = strategy.wrap(model, None)
+        materialize_deferred(model, strategy.ctx.device)
+        return model, optimizer_factory(model)
+    if deferred:  # the replicas (or this rank's tp slices, pipeline stages) are allocated and read here
+        materialize_deferred(model, strategy.ctx.device)
     optimizer = optimizer_factory(model)
     return strategy.wrap(model, optimizer)
+
+
+def materialize_deferred(model: nn.Module, device: torch.device) -> None:
+    """Allocate and fill a model built with its parameters on the meta device, as split and sharded now, with
+    its spec's ``materialize`` (a Hugging Face model reads its slices of the safetensors files)."""
+    spec = spec_of(model)
+    if spec is None or spec.materialize is None:
+        raise ConfigError(
+            f"model {type(model).__name__} has parameters on the meta device and no way to fill them (its model "
+            "spec has no `materialize`). Build it on a real device, or give its spec a materialize function."
+        )
+    spec.materialize(model, device)

@@ -52,7 +52,7 @@ from paratrain.models.spec import ModelSpec, spec_of
 from paratrain.parallel.grads import clip_grad_norm, replicated_value, to_local
 from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
-from paratrain.parallel.strategy import LossFn
+from paratrain.parallel.strategy import LossFn, to_device
 from paratrain.parallel.tensor import ModelParallel
 
 if TYPE_CHECKING:
@@ -71,12 +71,14 @@ def stages_per_rank(config: StrategyConfig) -> int:
 
 
 def retain_parameters(model: nn.Module, keep: set[int]) -> None:
-    """Delete from ``model`` every submodule none of whose parameters is in ``keep`` (ids): entries of a
-    ModuleDict/ModuleList are removed, other attributes set to ``None``. Names of what stays are unchanged."""
+    """Delete from ``model`` every submodule that has parameters, none of them in ``keep`` (ids): entries of a
+    ModuleDict/ModuleList are removed, other attributes set to ``None``. Modules without parameters (an
+    activation, dropout, rotary tables) stay: the kept layers may call them. Names of what stays are unchanged."""
     for name, child in list(model.named_children()):
         if child is None:
             continue
-        if not any(id(p) in keep for p in child.parameters()):
+        params = list(child.parameters())
+        if params and not any(id(p) in keep for p in params):
             if isinstance(model, nn.ModuleDict):
                 del model[name]
             else:
@@ -171,7 +173,7 @@ class _Pipeline(ModelParallel):
         stage (its blocks as units), and make a ``PipelineStage`` of each."""
         from torch.distributed.pipelining import PipelineStage
 
-        model = model.to(self.ctx.device)
+        model = to_device(model, self.ctx.device)
         split = _split_fn(model)
         self.chunks = [split(model, self.num_stages, s) for s in self.owned]
         names = self.parameter_names(model)

@@ -39,6 +39,17 @@ if TYPE_CHECKING:
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def has_meta_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` was built with its parameters on the meta device (weights read after the split)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)``, except for a model whose parameters are still on the meta device: it is
+    allocated later, already split (:func:`paratrain.parallel.parallelize.materialize_deferred`)."""
+    return model if has_meta_parameters(model) else model.to(device)
+
+
 class Strategy:
     """Base class. A subclass registers under a spec name (:func:`~paratrain.parallel.registry.register_strategy`)
     and overrides :meth:`wrap`; its preset, capabilities and refusals are the spec's
@@ -104,6 +115,13 @@ class Strategy:
     def data_parallel_size(cls, world_size: int, config: StrategyConfig, gpus_per_node: int | None = None) -> int:
         """How many ranks see different data (the global batch is split over these)."""
         return cls.topology_for(world_size, config, gpus_per_node).dp_size
+
+    @classmethod
+    def materializes_after_wrap(cls) -> bool:
+        """Whether a model built on the meta device is allocated after :meth:`wrap` (which shards it with
+        FSDP2, so each rank allocates its shard only) rather than before (replicating wraps broadcast and
+        hook real tensors): the strategies that shard parameters with FSDP2."""
+        return cls.uses_fsdp
 
     # ---- applied in every worker, in parallelize()'s order -------------------------------------------
     def apply_tensor_parallel(self, model: nn.Module) -> nn.Module:

@@ -55,7 +55,7 @@ from paratrain.parallel.grads import (
 )
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
-from paratrain.parallel.strategy import LossFn, Strategy
+from paratrain.parallel.strategy import LossFn, Strategy, to_device
 
 if TYPE_CHECKING:
     from paratrain.data.batch import Batch
@@ -86,6 +86,8 @@ def model_tp_plan(
 def check_model_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
     """Launch-time check (meta model): the model's spec has a TP plan and its own check passes."""
     spec = spec_of(model)
+    if spec is not None and spec.tp_plan is None and spec.check_tp is not None:
+        spec.check_tp(model, tp, ranks)  # a family without a plan may refuse in its own words
     if spec is None or spec.tp_plan is None:
         family = f" (model family {spec.family!r})" if spec is not None else ""
         raise ConfigError(
@@ -195,7 +197,7 @@ class ModelParallel(Strategy):
 class _TensorParallel(ModelParallel):
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
-        model = model.to(self.ctx.device)
+        model = to_device(model, self.ctx.device)
         names = self.parameter_names(model)
         if self.uses_fsdp:
             from paratrain.parallel.fsdp import shard_units

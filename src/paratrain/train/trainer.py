@@ -505,15 +505,17 @@ def model_flops_utilization(
     model: nn.Module, ctx: Context, seq_len: int, tokens_per_s: float | None, precision: str
 ) -> float | None:
     """Achieved FLOP/s over the devices' peak (PaLM's MFU): ``tokens/s x FLOPs per token / (world x peak)``,
-    with FLOPs per token = 6·N + 12·L·H·Q·T (:func:`paratrain.models.llama.flops_per_token`). ``None`` when
-    the peak of the device is not known (every CPU) or the model is not a transformer."""
-    from paratrain.models.llama import flops_per_token
+    with FLOPs per token from the model's spec (``6·N + 12·L·H·Q·T``, :func:`paratrain.models.llama.
+    flops_per_token`; a Hugging Face model's from its config). ``None`` when the peak of the device is not
+    known (every CPU) or the model's spec has no FLOPs count."""
+    from paratrain.models.spec import spec_of
 
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    inner = getattr(model, "module", model)  # DDP's wrapped module
+    spec = spec_of(inner)
     peak = device_peak_flops(ctx.device, precision)
-    if config is None or peak is None or not tokens_per_s:
+    if spec is None or spec.flops_per_token is None or peak is None or not tokens_per_s:
         return None
-    return tokens_per_s * flops_per_token(config, seq_len) / (ctx.world_size * peak)
+    return tokens_per_s * spec.flops_per_token(inner, seq_len) / (ctx.world_size * peak)
 
 
 def checkpoint_writer_factory(rank: int) -> Any:

@@ -1,0 +1,300 @@
+"""Hugging Face causal language models from a local directory: ``--model hf:DIR``.
+
+``DIR`` is a directory in the Hugging Face layout: ``config.json``, the weights as ``model.safetensors`` or
+as sharded ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, and optionally
+``tokenizer.json`` / ``tokenizer_config.json`` / ``generation_config.json``. Nothing is ever downloaded. A
+``DIR`` with a config and no weights means random initialisation (from ``train.seed``, the same on every
+rank).
+
+**The model code is ``transformers``' own**: ``AutoModelForCausalLM.from_config`` with the parameters on
+the meta device and the (small, computed) buffers real, so any decoder-only causal LM builds without
+allocating its weights. The instance's class is swapped for a subclass whose ``forward(input_ids)`` returns
+the logits tensor (the trainer's contract) and the parameter names stay Hugging Face's
+(``model.layers.3.self_attn.q_proj.weight``), in every layout and in every checkpoint.
+
+**Weights are loaded where they are held** (:mod:`paratrain.models.hf_weights`): the strategy splits and
+shards the meta model first, then each rank allocates what it holds and reads exactly those slices from
+the safetensors files with DCP's ``HuggingFaceStorageReader`` (``safe_open(...).get_slice``). Under
+``ddp`` that is the whole model per rank; under ``zero3``/``hsdp``/``fsdp+*``/``tp``/``pp`` a rank's slice.
+
+**The spec** (:class:`~paratrain.models.spec.ModelSpec`) attached to each instance: the FSDP units are the
+decoder layers, found from the model itself (the ``ModuleList`` of the base model whose entries are the
+classes in ``_no_split_modules``); FLOPs per token from the config (PaLM's ``6N + 12·L·H·Q·T``); for Llama,
+Qwen2, Qwen3, Mistral and GPT-2, the tensor-parallel plan and the pipeline split of
+:mod:`paratrain.models.hf_parallel`. ``transformers`` is imported only here and only when an ``hf:`` model
+is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+from paratrain.models.spec import ModelSpec, attach_spec
+
+__all__ = [
+    "HF_PREFIX",
+    "build_hf_model",
+    "check_hf_dir",
+    "decoder_layers",
+    "hf_dir_of",
+    "hf_flops_per_token",
+    "weight_files",
+]
+
+HF_PREFIX = "hf:"
+DIR_ATTR = "_paratrain_hf_dir"
+"""Instance attribute: the directory whose weights the (meta) model still has to load."""
+HF_CLASS_ATTR = "_paratrain_hf_class"
+"""Instance attribute: the original ``transformers`` class (for ``generate`` and export)."""
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+"""Architectures with a tensor-parallel plan (the config's ``base_model_tp_plan`` plus the head)."""
+PP_ARCHITECTURES = (*TP_ARCHITECTURES, "GPT2LMHeadModel")
+"""Architectures that can be cut into pipeline stages."""
+
+
+def hf_dir_of(name: str) -> Path:
+    """The directory of ``--model hf:DIR``."""
+    return Path(name[len(HF_PREFIX) :]).expanduser()
+
+
+def read_config_json(d: Path) -> dict[str, Any]:
+    """``DIR/config.json`` as a dict, refused with one line when missing or not JSON."""
+    path = d / "config.json"
+    if not d.is_dir():
+        raise ConfigError(
+            f"--model hf:{d}: {d} is not a directory. Give a local Hugging Face model directory (config.json "
+            "and model*.safetensors); nothing is downloaded."
+        )
+    if not path.is_file():
+        raise ConfigError(
+            f"--model hf:{d}: {d} has no config.json, so it is not a Hugging Face model directory. Give the "
+            "directory that save_pretrained() wrote (config.json, model*.safetensors)."
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model hf:{d}: config.json is not readable JSON ({e}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--model hf:{d}: config.json holds {type(data).__name__}, not an object.")
+    return data
+
+
+def weight_files(d: Path) -> list[Path]:
+    """The safetensors files of ``d`` (``[]``: no weights, random initialisation). An index naming a file
+    that is not there, or ``.bin`` weights only, is refused."""
+    index = d / INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"--model hf:{d}: {INDEX} has no readable weight_map ({e}).") from None
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise ConfigError(
+                f"--model hf:{d}: {INDEX} names {len(missing)} weight file(s) that are not in the directory: "
+                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}. Copy the missing shards, or "
+                "save the model again with save_pretrained()."
+            )
+        return [d / n for n in names]
+    if (d / SINGLE).is_file():
+        return [d / SINGLE]
+    if any(d.glob("*.bin")) or any(d.glob("*.pt")):
+        raise ConfigError(
+            f"--model hf:{d}: the weights are pickled (.bin/.pt), which paratrain does not unpickle. Convert "
+            "them once with save_pretrained(DIR, safe_serialization=True)."
+        )
+    return []
+
+
+def check_hf_dir(d: Path) -> dict[str, Any]:
+    """Launch-time checks of an ``hf:`` directory (config, weight files); returns the config dict."""
+    cfg = read_config_json(d)
+    archs = cfg.get("architectures") or []
+    if cfg.get("is_encoder_decoder"):
+        raise ConfigError(
+            f"--model hf:{d}: {archs[0] if archs else cfg.get('model_type')} is an encoder-decoder model; "
+            "paratrain trains decoder-only causal language models (AutoModelForCausalLM)."
+        )
+    weight_files(d)
+    return cfg
+
+
+def architecture(model: nn.Module) -> str:
+    cls = getattr(model, HF_CLASS_ATTR, type(model))
+    return str(cls.__name__)
+
+
+# ---- the module -------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register every new parameter on the meta device and leave buffers where they are made (the rotary
+    tables are computed, not loaded: they must be real). The same device trick as Accelerate's
+    ``init_empty_weights(include_buffers=False)``."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kwargs = dict(module._parameters[name].__dict__)  # type: ignore[union-attr]
+            kwargs["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+_LOGITS_CLASSES: dict[type, type] = {}
+
+
+def _logits_class(cls: type) -> type:
+    """A subclass of the ``transformers`` class whose ``forward(input_ids)`` returns the logits tensor (no
+    cache), which is what the trainer's loss, evaluation and the pipeline schedules take."""
+    if cls not in _LOGITS_CLASSES:
+
+        def forward(self: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return cls.forward(self, input_ids=input_ids, use_cache=False, **kwargs).logits  # type: ignore[attr-defined]
+
+        _LOGITS_CLASSES[cls] = type(f"Paratrain{cls.__name__}", (cls,), {"forward": forward})
+    return _LOGITS_CLASSES[cls]
+
+
+def load_config(d: Path) -> Any:
+    """The ``transformers`` config of ``d`` (local files only), prepared for training: no KV cache, SDPA."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    config.use_cache = False
+    return config
+
+
+def build_hf_model(d: Path, vocab_needed: int | None = None) -> nn.Module:
+    """The model of ``d``: parameters on the meta device when ``d`` has weights (loaded after the strategy
+    split it), else randomly initialised on the CPU from the current seed. Carries its spec."""
+    check_hf_dir(d)
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(d)
+    if vocab_needed is not None and vocab_needed > config.vocab_size:
+        raise ConfigError(
+            f"--model hf:{d} has a vocabulary of {config.vocab_size} tokens, but the data's tokenizer has "
+            f"{vocab_needed}. Use the model's own tokenizer (leave data.tokenizer unset)."
+        )
+    has_weights = bool(weight_files(d))
+    on_meta = has_weights or _default_device_is_meta()
+    ctx = _parameters_on_meta() if on_meta else contextlib.nullcontext()
+    with ctx:
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError as e:
+            raise ConfigError(f"--model hf:{d}: transformers cannot build it as a causal LM ({e}).") from None
+    original = type(model)
+    model.__class__ = _logits_class(original)
+    object.__setattr__(model, HF_CLASS_ATTR, original)
+    object.__setattr__(model, "_paratrain_matmul_params", _matmul_params(model))
+    if has_weights:
+        object.__setattr__(model, DIR_ATTR, str(d))
+    return attach_spec(model, hf_spec(model))
+
+
+def _default_device_is_meta() -> bool:
+    return torch.empty(()).device.type == "meta"
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``ModuleList`` of the model's repeated decoder blocks: the one whose entries are instances of
+    the classes in ``_no_split_modules`` (else the longest ``ModuleList`` of modules)."""
+    wanted = set(getattr(model, "_no_split_modules", None) or ())
+    best: nn.ModuleList | None = None
+    for _, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0:
+            continue
+        present = [b for b in m if b is not None]
+        if wanted and present and all(type(b).__name__ in wanted for b in present):
+            return m
+        if best is None or len(m) > len(best):
+            best = m
+    if best is None:
+        raise ConfigError(f"{architecture(model)}: found no list of decoder layers to shard block by block.")
+    return best
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    return [b for b in decoder_layers(model) if b is not None]
+
+
+def hf_flops_per_token(config: Any, num_params: int, embedding_params: int, seq_len: int) -> float:
+    """PaLM's training FLOPs per token, ``6·N + 12·L·H·Q·T``, with ``N`` the parameters except the input
+    embeddings (see :func:`paratrain.models.llama.flops_per_token`)."""
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0))
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
+    head_dim = int(getattr(config, "head_dim", None) or (hidden // heads if heads else 0))
+    return 6.0 * (num_params - embedding_params) + 12.0 * layers * heads * head_dim * seq_len
+
+
+def _matmul_params(model: nn.Module) -> tuple[int, int]:
+    """``(parameters + a tied head, input-embedding parameters)`` of the whole model: every weight that takes
+    part in a matmul is the first minus the second (the token and, for GPT-2, the learned-position tables are
+    looked up, not multiplied; a head tied to the embedding still does its matmul, so it counts)."""
+    n = sum(p.numel() for p in model.parameters())
+    lookup = sum(e.weight.numel() for e in _embeddings(model))
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    tied = head is not None and head.weight is model.get_input_embeddings().weight  # type: ignore[operator]
+    return n + (head.weight.numel() if tied else 0), lookup
+
+
+def _flops(model: nn.Module, seq_len: int) -> float:
+    # counted on the whole model at build time: a pipeline rank keeps only its stages
+    n, lookup = getattr(model, "_paratrain_matmul_params", None) or _matmul_params(model)
+    return hf_flops_per_token(model.config, n, lookup, seq_len)
+
+
+def _embeddings(model: nn.Module) -> list[nn.Module]:
+    out = [model.get_input_embeddings()]  # type: ignore[operator]
+    pos = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
+    return [e for e in (*out, pos) if isinstance(e, nn.Embedding)]
+
+
+def _load(model: nn.Module, device: torch.device) -> None:
+    from paratrain.models.hf_weights import materialize_and_load
+
+    materialize_and_load(model, device)
+
+
+def hf_spec(model: nn.Module) -> ModelSpec:
+    """The spec of one ``transformers`` model instance (plans by architecture)."""
+    arch = architecture(model)
+    family = f"hf:{arch}"
+    from paratrain.models import hf_parallel
+
+    tp_fields: dict[str, Any] = {"check_tp": hf_parallel.refuse_tp}
+    if arch in TP_ARCHITECTURES:
+        tp_fields = {"tp_plan": hf_parallel.tp_plan, "check_tp": hf_parallel.check_tp}
+    pp_fields: dict[str, Any] = {}
+    if arch in PP_ARCHITECTURES:
+        pp_fields = {
+            "pipeline_split": hf_parallel.pipeline_split,
+            "check_pipeline": hf_parallel.check_pipeline,
+            "stage_blocks": hf_parallel.stage_blocks,
+        }
+    return ModelSpec(
+        family=family,
+        fsdp_units=_fsdp_units,
+        flops_per_token=_flops,
+        materialize=_load,
+        **tp_fields,
+        **pp_fields,
+    )
