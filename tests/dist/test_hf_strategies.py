@@ -141,7 +141,9 @@ def hf_dirs(tmp_path_factory: Any) -> dict[str, Path]:
     from tests._hf_models import make_hf_dir
 
     root = tmp_path_factory.mktemp("hf")
-    return {a: make_hf_dir(root / a, a) for a in ("llama", "qwen2", "mistral", "gpt2", "qwen3")}
+    dirs = {a: make_hf_dir(root / a, a) for a in ("llama", "qwen2", "mistral", "gpt2", "qwen3")}
+    dirs["mistral4"] = make_hf_dir(root / "mistral4", "mistral", num_hidden_layers=4)
+    return dirs
 
 
 @pytest.mark.timeout(300)
@@ -171,7 +173,7 @@ def test_hf_architectures_match_transformers_at_2_ranks(dist_run: Any, hf_dirs: 
         (str(hf_dirs["mistral"]), "fsdp+tp", {"tp": 2}),
         (gpt2, "pp", {"pp_schedule": "1f1b", "microbatches": 2}),
         (str(hf_dirs["qwen3"]), "pp", {"pp_schedule": "gpipe"}),
-        (str(hf_dirs["mistral"]), "pp", {"pp_schedule": "interleaved-1f1b"}),
+        (str(hf_dirs["mistral4"]), "pp", {"pp_schedule": "interleaved-1f1b"}),
     ]
     per_rank = dist_run(_all_cases, 2, cases, timeout_s=390)
     _check(cases, per_rank)
