@@ -213,6 +213,8 @@ class DataConfig:
     """Text datasets: read at most this many bytes of each split (``None``: all)."""
     cache_dir: str | None = None
     """Text datasets: where a trained tokenizer is cached (default: the run directory)."""
+    text_field: str = "text"
+    """``jsonl`` records: the field that holds the text (records with ``prompt``/``completion`` need none)."""
 
     def __post_init__(self) -> None:
         if ":" in self.name and self.path is None:

@@ -107,6 +107,7 @@ def _load_builtin() -> None:
     from paratrain.data import (  # noqa: F401  (registers)
         cifar,
         digits,
+        jsonl,
         mnist,
         synthetic,
         text_datasets,

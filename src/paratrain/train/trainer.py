@@ -75,6 +75,10 @@ class TrainResult:
         return out
 
 
+IGNORE_LABEL = -100
+"""A label that is not predicted (a prompt token of ``--data jsonl``; ``cross_entropy``'s ``ignore_index``)."""
+
+
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     o = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
@@ -232,6 +236,10 @@ class Trainer:
         """MoE models: the last step's expert load (:func:`paratrain.models.moe.after_optimizer_step`)."""
         self.nonfinite_skips = 0
         """Steps skipped because of a non-finite loss or gradient (``--set train.on_nonfinite=skip``)."""
+        self.masked_lm = data.task == "lm" and bool((data.train.y == IGNORE_LABEL).any())
+        """Labels with ignored positions (``jsonl`` prompt/completion): the loss is normalised per step."""
+        self.tokens_per_call: torch.Tensor | None = None
+        """Masked labels: the global batch's predicted tokens / the loss calls of one step over all ranks."""
 
     @property
     def step(self) -> int:
@@ -243,9 +251,26 @@ class Trainer:
 
     # ---- helpers --------------------------------------------------------------------------------------
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = loss_function(self.data.task)(out, y)
+        if self.tokens_per_call is not None:  # sum over predicted tokens / their share per loss call
+            s = nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="sum")
+            loss = s / self.tokens_per_call
+        else:
+            loss = loss_function(self.data.task)(out, y)
         aux = pop_aux_loss(self.model) if self.moe_stats is not None else None  # MoE balance loss
         return loss if aux is None else loss + aux
+
+    def _predicted_tokens_per_call(self, targets: torch.Tensor) -> torch.Tensor:
+        """Masked labels: the predicted tokens of the whole global batch (one all-reduce over the data-parallel
+        ranks) over the number of loss calls in the step (ranks x accumulation x pipeline micro-batches). Each
+        call returns its summed cross-entropy over this; the strategies' mean over calls and ranks is then
+        the global batch's mean over predicted tokens, whatever the layout (every call has equal weight)."""
+        n = (targets != IGNORE_LABEL).sum().to(torch.float64)
+        if self.ctx.distributed and self.strategy.dp_size > 1:
+            dist.all_reduce(n, group=self.strategy.dp_group)
+        topo = self.strategy.topology
+        m = (self.strategy.config.microbatches or topo.pp) if topo.pp > 1 else 1
+        calls = self.strategy.dp_size * self.cfg.train.grad_accum * m
+        return (n / calls).clamp(min=1.0 / calls).float()
 
     def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (every rank holds the same number of samples)."""
@@ -273,6 +298,8 @@ class Trainer:
             if self.data.train.transform is not None:
                 batch = Batch(self.data.train.transform(batch.inputs, st.augment), batch.targets)
             batch = batch.to(self.ctx.device, non_blocking=True)
+            if self.masked_lm:
+                self.tokens_per_call = self._predicted_tokens_per_call(batch.targets)
         self.optimizer.zero_grad(set_to_none=True)
         with record_function("paratrain.forward_backward"):
             loss = self.strategy.forward_backward(self.model, batch, self._loss, st.precision, t.grad_accum)
@@ -327,10 +354,10 @@ class Trainer:
             count = wt
             if task == "regression":
                 per = ((out - y) ** 2).mean(dim=1).double()
-            elif task == "lm":  # every sample counts seq_len predictions
+            elif task == "lm":  # every sample counts its predicted tokens (seq_len unless labels are masked)
                 tok = nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
                 per = tok.view(y.shape).double().sum(dim=1)
-                count = wt * y.shape[1]
+                count = wt * (y != IGNORE_LABEL).sum(dim=1).double()
             else:
                 per = nn.functional.cross_entropy(out, y, reduction="none").double()
                 sums[0] += ((out.argmax(1) == y).double() * wt).sum()
