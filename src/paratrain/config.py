@@ -175,6 +175,9 @@ class ModelConfig:
     """Llama MoE: coefficient of the sequence-level balance loss, 0 for none (``None``: the preset's)."""
     bias_update_rate: float | None = None
     """Llama MoE: step of the auxiliary-loss-free expert bias per optimizer step (``None``: the preset's)."""
+    init_from: str | None = option(None, flag="--init-from", metavar="hf:DIR")
+    """Llama models: start from the weights of a Hugging Face ``LlamaForCausalLM`` directory of the same shape
+    (names mapped and rotary rows permuted; ``--model hf:DIR`` loads its own weights instead)."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):

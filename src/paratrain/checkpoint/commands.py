@@ -23,9 +23,18 @@ def add_ckpt_commands(sub: Any) -> None:
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_inspect)
-    q = ck.add_parser("export", help="write the consolidated full model of a checkpoint as safetensors")
+    q = ck.add_parser(
+        "export",
+        help="write the consolidated full model of a checkpoint as safetensors or a Hugging Face directory",
+    )
     q.add_argument("step_dir", help="a committed step_NNNNNNNN directory")
-    q.add_argument("out", help="output .safetensors file")
+    q.add_argument("out", help="output .safetensors file (--format safetensors) or directory (--format hf)")
+    q.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="safetensors: one file of paratrain's tensors; hf: a directory from_pretrained() loads (hf:DIR runs, "
+        "llama-* as LlamaForCausalLM)",
+    )  # fmt: skip
+    q.add_argument("--max-shard-size", default="2GB", help="--format hf: largest weight file (default 2GB)")
     q.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_export)
@@ -41,6 +50,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from paratrain.checkpoint.inspect import export_safetensors
+
+    if args.format == "hf":
+        from paratrain.checkpoint.export_hf import export_hf
+
+        out = export_hf(args.step_dir, args.out, force=args.force, max_shard=args.max_shard_size)
+        print(
+            json.dumps(out)
+            if args.json
+            else f"wrote {out['tensors']} tensors ({out['bytes'] / 2**20:.2f} MiB) in {out['files']} file(s) "
+            f"to {out['out']}"
+        )
+        return 0
 
     info = export_safetensors(args.step_dir, args.out, force=args.force)
     print(

@@ -193,8 +193,11 @@ def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
     return Path(found)
 
 
-def load_full_model(step_dir: str | Path, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model tensors of a committed checkpoint, by their original names, in one process.
+def load_full_model(
+    step_dir: str | Path, verify: bool = True, keys: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a committed checkpoint, by their original names, in one process
+    (only ``keys`` when given, in that order: DCP then reads those tensors' pieces only).
 
     Verified first (checksums included) unless ``verify=False`` (the caller verified it:
     :func:`resolve_checkpoint`); DCP assembles every shard written by every rank, whatever the strategy and
@@ -213,6 +216,8 @@ def load_full_model(step_dir: str | Path, verify: bool = True) -> dict[str, torc
     for key, meta in md.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             model[key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if keys is not None:
+        model = {k: model[k] for k in keys}
     # DCP assembles every shard written by every rank into these full tensors (no process group needed).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"

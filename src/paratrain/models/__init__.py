@@ -76,9 +76,29 @@ def _llama(preset: str) -> ModelBuilder:
             )
         o.setdefault("vocab_size", num_outputs)
         o.setdefault("max_seq_len", max(PRESETS[preset].max_seq_len, input_shape[0]))
-        return build_llama(preset, o)
+        o.pop("init_from", None)
+        model = build_llama(preset, o)
+        if cfg.init_from:
+            _init_from(model, cfg.init_from)
+        return model
 
     return build
+
+
+def _init_from(model: nn.Module, source: str) -> None:
+    """``--init-from hf:DIR``: a Hugging Face Llama's weights into paratrain's Llama (checked only, on the meta
+    device of the launch-time checks)."""
+    from pathlib import Path
+
+    from paratrain.models.hf_llama import load_hf_into_llama
+
+    if not source.startswith(HF_PREFIX):
+        raise ConfigError(f"--init-from {source!r}: write hf:DIR, a Hugging Face LlamaForCausalLM directory.")
+    d = Path(source[len(HF_PREFIX) :]).expanduser()
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"--init-from {source}: {d} has no config.json (not a Hugging Face model directory).")
+    if all(p.device.type != "meta" for p in model.parameters()):
+        load_hf_into_llama(model, d)
 
 
 def _hf(name: str) -> ModelBuilder:
@@ -92,6 +112,11 @@ def _hf(name: str) -> ModelBuilder:
     def build(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
         from paratrain.models.hf import build_hf_model
 
+        if cfg.init_from:
+            raise ConfigError(
+                f"--init-from is for paratrain's Llama models; --model {name} loads the weights of its own "
+                "directory. Drop --init-from."
+            )
         return build_hf_model(d, num_outputs)
 
     return build
