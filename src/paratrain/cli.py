@@ -164,7 +164,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.train.generate import generate
 
-    out = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    out = generate(
+        args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.model
+    )
     print(json.dumps(out) if args.json else args.prompt + out["text"])
     return 0
 
@@ -233,10 +235,10 @@ def _plan(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=plan_cli.run)
 
 
+
 def _generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ckpt", required=True, help="a run directory, its checkpoints/ directory, or one step_NNNNNNNN"
-    )
+    p.add_argument("--ckpt", help="a run directory, its checkpoints/ directory, or one step_NNNNNNNN")
+    p.add_argument("--model", help="hf:DIR: sample from a Hugging Face model directory instead of --ckpt")
     p.add_argument("--prompt", default="", help="text the sample continues (default: empty)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
     p.add_argument(

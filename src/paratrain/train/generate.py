@@ -5,6 +5,11 @@ model is rebuilt exactly as trained, loaded with its full (unsharded) weights wh
 world size that saved it, and sampled token by token: logits of the last position, divided by the
 temperature, restricted to the ``top_k`` most likely tokens, then one multinomial draw (``temperature 0``:
 the most likely token). The context is cut to the model's ``max_seq_len``.
+
+``--model hf:DIR`` samples from a Hugging Face directory instead (its weights and tokenizer, no checkpoint);
+a run that trained an ``hf:`` model is sampled with ``--ckpt`` like any other. For these models the prompt
+starts with the model's BOS, and sampling stops after the EOS, as ``transformers``' ``generate`` does, so
+``--temperature 0`` gives the tokens of its greedy search.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ MIN_TEMPERATURE = 1e-6
 
 
 def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
+    if cfg.data.tokenizer.startswith("hf:"):
+        return load_tokenizer(cfg.data.tokenizer)
     kind, size = parse_spec(cfg.data.tokenizer)
     if kind == "byte":
         return load_tokenizer("byte")
@@ -42,16 +49,42 @@ def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
     return load_tokenizer(cfg.data.tokenizer, files[0])
 
 
+def _hf_model(name: str, tok_vocab: int) -> torch.nn.Module:
+    """``--model hf:DIR``: the directory's model with its own weights (random ones when it has none)."""
+    from paratrain.config import ModelConfig
+    from paratrain.parallel.parallelize import materialize_deferred
+    from paratrain.parallel.strategy import has_meta_parameters
+
+    model = build_model(ModelConfig(name=name), (1,), tok_vocab)
+    if has_meta_parameters(model):
+        materialize_deferred(model, torch.device("cpu"))
+    return model
+
+
+def _context_limit(model: torch.nn.Module) -> int:
+    c = model.config
+    for key in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        if getattr(c, key, None):
+            return int(getattr(c, key))
+    return 1 << 30
+
+
 @torch.no_grad()
 def generate(
-    ckpt: str | Path,
+    ckpt: str | Path | None,
     prompt: str,
     max_new_tokens: int = 200,
     temperature: float = 0.8,
     top_k: int | None = 50,
     seed: int = 0,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
-    """Sample ``max_new_tokens`` after ``prompt``; returns the text and what produced it."""
+    """Sample ``max_new_tokens`` after ``prompt`` from the checkpoint ``ckpt`` or the Hugging Face directory of
+    ``model_name`` (``hf:DIR``); returns the text, the new tokens' ids and what produced them."""
+    if (ckpt is None) == (model_name is None):
+        raise ConfigError(
+            "generate: give --ckpt RUN (a trained run) or --model hf:DIR (a pretrained directory)."
+        )
     if (
         max_new_tokens < 0
         or not temperature >= 0
@@ -69,6 +102,9 @@ def generate(
         )
     if not 0 <= seed < 2**64:
         raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed}.")
+    if model_name is not None:
+        return _sample_hf(model_name, prompt, max_new_tokens, temperature, top_k, seed)
+    assert ckpt is not None
     step_dir = resolve_checkpoint(ckpt)  # verified (checksums included) before anything is built from it
     state = read_train_state(step_dir, step_of(step_dir))
     cfg = RunConfig.from_dict(state["config"], source=f"{step_dir}/train_state.json")
@@ -82,6 +118,10 @@ def generate(
         raise ConfigError(str(e)) from None
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, (cfg.data.seq_len,), tok.vocab_size)
+    if any(p.device.type == "meta" for p in model.parameters()):  # an hf: model: weights from the checkpoint
+        from paratrain.models.hf_weights import materialize
+
+        materialize(model, torch.device("cpu"))
     if getattr(model, "config", None) is None:
         raise ConfigError(f"--ckpt {step_dir} holds a {cfg.model.name!r} model, not a language model.")
     weights = load_full_model(step_dir, verify=False)
@@ -90,9 +130,41 @@ def generate(
         raise ConfigError(
             f"checkpoint {step_dir} does not match {cfg.model.name}: missing {missing}, unexpected {unexpected}"
         )
+    out = _sample(model, tok, prompt, max_new_tokens, temperature, top_k, seed)
+    return {"checkpoint": str(step_dir), "step": state.get("step"), "model": cfg.model.name, **out}
+
+
+def _sample_hf(
+    name: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+) -> dict[str, Any]:
+    from paratrain.data.tokenizers import HFDirTokenizer
+    from paratrain.models.hf import HF_PREFIX
+
+    if not name.startswith(HF_PREFIX):
+        raise ConfigError(
+            f"generate --model {name!r}: write hf:DIR; a paratrain model is sampled with --ckpt RUN."
+        )
+    tok = HFDirTokenizer(name[len(HF_PREFIX) :])
+    model = _hf_model(name, tok.vocab_size)
+    out = _sample(model, tok, prompt, max_new_tokens, temperature, top_k, seed)
+    return {"checkpoint": None, "step": None, "model": name, **out}
+
+
+def _sample(
+    model: torch.nn.Module,
+    tok: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> dict[str, Any]:
+    """The sampling loop (module docstring); an hf model's prompt starts with its BOS and it stops at EOS."""
     model.eval()
-    ids = tok.encode(prompt) or [0]
-    limit = int(getattr(model, "config").max_seq_len)  # noqa: B009  (nn.Module attributes are typed loosely)
+    bos, eos = getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)
+    ids = ([bos] if bos is not None else []) + tok.encode(prompt)
+    ids = ids or [0]
+    limit = _context_limit(model)
     gen = torch.Generator().manual_seed(seed)
     out = list(ids)
     t0 = time.perf_counter()
@@ -108,13 +180,15 @@ def generate(
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
         out.append(nxt)
+        if nxt == eos:
+            break
     seconds = time.perf_counter() - t0
+    new = out[len(ids) :]
     return {
-        "checkpoint": str(step_dir),
-        "step": state.get("step"),
-        "model": cfg.model.name,
         "prompt": prompt,
-        "text": tok.decode(out[len(ids) :]),
-        "new_tokens": max_new_tokens,
-        "tokens_per_s": max_new_tokens / seconds if seconds > 0 else None,
+        "text": tok.decode(new),
+        "new_tokens": len(new),
+        "prompt_ids": ids,
+        "token_ids": new,
+        "tokens_per_s": len(new) / seconds if seconds > 0 else None,
     }
