@@ -34,7 +34,7 @@ LLAMA3_405B = {
 }  # fmt: skip
 
 
-def test_a_405b_config_plans_from_the_json_alone(tmp_path: Path) -> None:
+def test_a_405b_config_plans_without_torch(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_405B))
     code = (
         "import sys\n"
@@ -46,8 +46,7 @@ def test_a_405b_config_plans_from_the_json_alone(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert 405e9 < int(out[0]) < 406e9  # Llama 3.1 405B: 405.85 B parameters
-    # no transformers, no model built (paratrain.plan's own package imports torch today, through its comm model)
-    assert out[2] == "False"
+    assert out[1:] == ["False", "False"]  # no torch, no transformers: the JSON alone
     import argparse
 
     from paratrain.plan.cli import model_spec

@@ -169,8 +169,8 @@ def _source(
         cfg = LlamaConfig(**{**base, **fields, "vocab_size": int(vocab)})
         data = (state.get("config") or {}).get("data") or {}
         tok = str(data.get("tokenizer", ""))
-        src = Path(tok[3:]).expanduser() if tok.startswith("hf:") else None
-        return (lambda n, t: to_hf(n, t, cfg)), hf_config(cfg), src
+        tok_dir = Path(tok[3:]).expanduser() if tok.startswith("hf:") else None
+        return (lambda n, t: to_hf(n, t, cfg)), hf_config(cfg), tok_dir
     raise ConfigError(
         f"--format hf exports Hugging Face runs (--model hf:DIR) and paratrain's Llama models; this checkpoint "
         f"is of model {name!r}. Use --format safetensors."

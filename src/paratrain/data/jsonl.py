@@ -71,7 +71,7 @@ def read_records(path: str | None, text_field: str = "text") -> list[Record]:
                 continue
             try:
                 obj = json.loads(line)
-            except ValueError as e:
+            except json.JSONDecodeError as e:
                 bad.append(f"{where}: not JSON ({e.msg})")
                 continue
             if not isinstance(obj, dict):

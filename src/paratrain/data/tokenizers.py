@@ -193,8 +193,9 @@ class HFDirTokenizer(Tokenizer):
             token = json.loads(cfg_path.read_text()).get(f"{which}_token")
             if isinstance(token, dict):
                 token = token.get("content")
-            if isinstance(token, str) and self._tok.token_to_id(token) is not None:
-                return int(self._tok.token_to_id(token))
+            found = self._tok.token_to_id(token) if isinstance(token, str) else None
+            if found is not None:
+                return int(found)
         model_cfg = d / "config.json"
         if model_cfg.is_file():
             value = json.loads(model_cfg.read_text()).get(f"{which}_token_id")

@@ -149,7 +149,7 @@ def _parameters_on_meta() -> Iterator[None]:
             kwargs["requires_grad"] = param.requires_grad
             module._parameters[name] = type(param)(param.to("meta"), **kwargs)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -249,10 +249,14 @@ def _matmul_params(model: nn.Module) -> tuple[int, int]:
     """``(parameters + a tied head, input-embedding parameters)`` of the whole model: every weight that takes
     part in a matmul is the first minus the second (the token and, for GPT-2, the learned-position tables are
     looked up, not multiplied; a head tied to the embedding still does its matmul, so it counts)."""
+    m: Any = model
     n = sum(p.numel() for p in model.parameters())
-    lookup = sum(e.weight.numel() for e in _embeddings(model))
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    tied = head is not None and head.weight is model.get_input_embeddings().weight  # type: ignore[operator]
+    lookup = 0
+    for e in _embeddings(model):
+        weight: Any = e.weight
+        lookup += int(weight.numel())
+    head = m.get_output_embeddings()
+    tied = head is not None and head.weight is m.get_input_embeddings().weight
     return n + (head.weight.numel() if tied else 0), lookup
 
 

@@ -123,7 +123,7 @@ def load_hf_into_llama(model: nn.Module, d: Path) -> None:
     if not files:
         raise ConfigError(f"--init-from hf:{d}: the directory has no safetensors weights.")
     ours = dict(model.named_parameters())
-    cfg = model.config
+    cfg: Any = model.config
     seen: set[str] = set()
     with torch.no_grad():
         for f in files:

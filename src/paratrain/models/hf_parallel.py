@@ -129,8 +129,9 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bo
 
 # ---- pipeline stages ---------------------------------------------------------------------------------------
 def _num_layers(model: nn.Module) -> int:
-    c = model.config
-    return int(getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0))
+    c: Any = model.config
+    n: Any = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0)
+    return int(n)
 
 
 def check_pipeline(model: nn.Module, num_stages: int) -> None:
@@ -152,7 +153,14 @@ def check_pipeline(model: nn.Module, num_stages: int) -> None:
 class _Stage(nn.Module):
     """One pipeline stage: ``forward(input_ids or hidden) -> hidden or logits`` over the model's modules."""
 
-    def __init__(self, model: nn.Module, keys: list[str], first: bool, last: bool) -> None:
+    embed: Any
+    wpe: Any
+    drop: Any
+    norm: Any
+    lm_head: Any
+    rotary: Any
+
+    def __init__(self, model: Any, keys: list[str], first: bool, last: bool) -> None:
         super().__init__()
         object.__setattr__(self, "config", model.config)
         self.arch = architecture(model)
