@@ -136,14 +136,24 @@ def _check(cases: list[tuple[str, str, dict[str, Any]]], per_rank: list[list[dic
             )
 
 
+class _Dirs(dict):  # type: ignore[type-arg]
+    """Tiny model directories made on first use (``mistral4``: 4 layers, for the interleaved schedule)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        from tests._hf_models import make_hf_dir
+
+        arch, over = (name[:-1], {"num_hidden_layers": 4}) if name.endswith("4") else (name, {})
+        self[name] = make_hf_dir(self.root / name, arch, **over)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: Any) -> dict[str, Path]:
-    from tests._hf_models import make_hf_dir
-
-    root = tmp_path_factory.mktemp("hf")
-    dirs = {a: make_hf_dir(root / a, a) for a in ("llama", "qwen2", "mistral", "gpt2", "qwen3")}
-    dirs["mistral4"] = make_hf_dir(root / "mistral4", "mistral", num_hidden_layers=4)
-    return dirs
+    return _Dirs(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.mark.timeout(300)

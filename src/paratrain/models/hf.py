@@ -6,9 +6,9 @@ as sharded ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.j
 ``DIR`` with a config and no weights means random initialisation (from ``train.seed``, the same on every
 rank).
 
-**The model code is ``transformers``' own**: ``AutoModelForCausalLM.from_config`` with the parameters on
-the meta device and the (small, computed) buffers real, so any decoder-only causal LM builds without
-allocating its weights. The instance's class is swapped for a subclass whose ``forward(input_ids)`` returns
+**The model code is ``transformers``' own**: ``AutoModelForCausalLM.from_config`` on the meta device, then
+the (small, computed) buffers rebuilt on the CPU, so any decoder-only causal LM builds without allocating or
+initialising its weights. The instance's class is swapped for a subclass whose ``forward(input_ids)`` returns
 the logits tensor (the trainer's contract) and the parameter names stay Hugging Face's
 (``model.layers.3.self_attn.q_proj.weight``), in every layout and in every checkpoint.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,25 +134,24 @@ def architecture(model: nn.Module) -> str:
 
 
 # ---- the module -------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Register every new parameter on the meta device and leave buffers where they are made (the rotary
-    tables are computed, not loaded: they must be real). The same device trick as Accelerate's
-    ``init_empty_weights(include_buffers=False)``."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            kwargs = dict(module._parameters[name].__dict__)  # type: ignore[union-attr]
-            kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+def _real_buffers(model: nn.Module) -> None:
+    """A model built on the meta device gets its computed buffers (rotary ``inv_freq`` tables) back: each
+    module holding a meta buffer is built once more, alone, on the CPU from its config, and its buffers are
+    taken (small: a few numbers per head dimension). The weights stay on the meta device."""
+    for name, m in model.named_modules():
+        if not any(b.device.type == "meta" for b in m.buffers(recurse=False)):
+            continue
+        config = getattr(m, "config", None)
+        if config is None:
+            raise ConfigError(
+                f"{type(model).__name__}: the module {name} ({type(m).__name__}) has computed buffers and no "
+                "config to compute them from on a real device; paratrain cannot build this model on the meta "
+                "device."
+            )
+        with torch.device("cpu"):
+            fresh = type(m)(config)
+        for key, buf in fresh.named_buffers(recurse=False):
+            m._buffers[key] = buf
 
 
 _LOGITS_CLASSES: dict[type, type] = {}
@@ -193,13 +191,15 @@ def build_hf_model(d: Path, vocab_needed: int | None = None) -> nn.Module:
             f"{vocab_needed}. Use the model's own tokenizer (leave data.tokenizer unset)."
         )
     has_weights = bool(weight_files(d))
-    on_meta = has_weights or _default_device_is_meta()
-    ctx = _parameters_on_meta() if on_meta else contextlib.nullcontext()
+    meta_context = _default_device_is_meta()  # the launch-time checks build every model on the meta device
+    ctx = torch.device("meta") if has_weights and not meta_context else contextlib.nullcontext()
     with ctx:
         try:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
         except ValueError as e:
             raise ConfigError(f"--model hf:{d}: transformers cannot build it as a causal LM ({e}).") from None
+    if has_weights and not meta_context:
+        _real_buffers(model)
     original = type(model)
     model.__class__ = _logits_class(original)
     object.__setattr__(model, HF_CLASS_ATTR, original)

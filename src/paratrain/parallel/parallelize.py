@@ -40,6 +40,14 @@ def model_blocks(model: nn.Module) -> list[nn.Module] | None:
 
 
 def _replace_blocks(model: nn.Module, fn: Any) -> int:
+    spec = spec_of(model)
+    if spec is not None and spec.fsdp_units is not None:  # blocks the spec finds anywhere in the model
+        blocks = {id(b) for b in spec.fsdp_units(model)}
+        parents = [(m, k) for m in model.modules() for k, c in m.named_children() if id(c) in blocks]
+        for parent, key in parents:
+            setattr(parent, key, fn(getattr(parent, key)))  # ModuleList/ModuleDict keys too
+        if parents:
+            return len(parents)
     for attr in ("blocks", "layers"):
         container = getattr(model, attr, None)
         if isinstance(container, nn.ModuleDict) and len(container) > 0:
@@ -208,7 +216,9 @@ def parallelize(
         n = apply_compile(model)
         if log is not None:
             log.info("torch.compile: %d module(s) compiled", n)
-    if deferred and strategy.materializes_after_wrap():  # FSDP2 shards the meta model, then each rank fills its shard
+    if (
+        deferred and strategy.materializes_after_wrap()
+    ):  # FSDP2 shards the meta model, then each rank fills its shard
         model, _ = strategy.wrap(model, None)
         materialize_deferred(model, strategy.ctx.device)
         return model, optimizer_factory(model)

@@ -1,0 +1,36 @@
+"""The ``hf:`` model in one process: meta build, loading, activation checkpointing of the decoder layers,
+the FLOPs of its spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.mark.timeout(300)
+def test_meta_build_loads_and_checkpoints_the_decoder_layers(tmp_path: Path) -> None:
+    from paratrain.config import ModelConfig
+    from paratrain.models import build_model
+    from paratrain.models.spec import spec_of
+    from paratrain.parallel.parallelize import apply_activation_checkpointing, materialize_deferred
+    from tests._hf_models import make_hf_dir, reference_logits
+
+    d = make_hf_dir(tmp_path / "llama", "llama")
+    model = build_model(ModelConfig(name=f"hf:{d}"), (16,), 96)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.model.rotary_emb.inv_freq.device.type == "cpu"  # computed buffers are real
+    spec = spec_of(model)
+    assert spec is not None and spec.family == "hf:LlamaForCausalLM"
+    # FLOPs: 6 N (N without the input embedding) + 12 L H Q T
+    n = sum(p.numel() for p in model.parameters()) - 96 * 32
+    assert spec.flops_per_token is not None
+    assert spec.flops_per_token(model, 16) == 6 * n + 12 * 2 * 4 * 8 * 16
+    materialize_deferred(model, torch.device("cpu"))
+    assert apply_activation_checkpointing(model) == 2
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = model(ids)
+    out.float().sum().backward()
+    assert (out.detach() - reference_logits(d, ids)).abs().max().item() <= 1e-5
+    assert all(p.grad is not None for p in model.parameters())
