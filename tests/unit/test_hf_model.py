@@ -34,3 +34,19 @@ def test_meta_build_loads_and_checkpoints_the_decoder_layers(tmp_path: Path) -> 
     out.float().sum().backward()
     assert (out.detach() - reference_logits(d, ids)).abs().max().item() <= 1e-5
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.timeout(300)
+def test_sequences_longer_than_gpt2_positions_are_refused(tmp_path: Path) -> None:
+    from paratrain.config import ModelConfig
+    from paratrain.errors import ConfigError
+    from paratrain.launch.train_job import check_language_model
+    from paratrain.models import build_model
+    from tests._hf_models import make_hf_dir
+
+    d = make_hf_dir(tmp_path / "gpt2", "gpt2")  # n_positions=128
+    with torch.device("meta"):
+        model = build_model(ModelConfig(name=f"hf:{d}"), (256,), 96)
+    check_language_model(f"hf:{d}", model, (128,))
+    with pytest.raises(ConfigError, match="exceeds the 128 learned positions"):
+        check_language_model(f"hf:{d}", model, (256,))

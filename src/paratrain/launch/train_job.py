@@ -171,6 +171,12 @@ def check_language_model(name: str, meta_model: Any, input_shape: tuple[int, ...
     (``llama2-7b``, ...) and sequences longer than its rotary table (``model.max_seq_len``)."""
     from paratrain.models.llama import Llama, check_trainable
 
+    positions = getattr(getattr(meta_model, "config", None), "n_positions", None)  # GPT-2's learned positions
+    if name.startswith("hf:") and isinstance(positions, int) and input_shape[0] > positions:
+        raise ConfigError(
+            f"--seq-len {input_shape[0]} exceeds the {positions} learned positions of {name} (n_positions in its "
+            f"config.json). Use --seq-len {positions} or less."
+        )
     if not isinstance(meta_model, Llama):
         return
     check_trainable(name, meta_model.config)
