@@ -49,9 +49,11 @@ def test_a_405b_config_plans_without_torch(tmp_path: Path) -> None:
     assert out[1:] == ["False", "False"]  # no torch, no transformers: the JSON alone
     import argparse
 
-    from paratrain.plan.cli import model_spec
+    from paratrain.plan.cli import add_arguments, model_spec
 
-    spec = model_spec(argparse.Namespace(model=f"hf:{tmp_path}", params=None))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = model_spec(parser.parse_args(["--model", f"hf:{tmp_path}"]))
     assert spec.num_params == int(out[0])
 
 
