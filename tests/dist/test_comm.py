@@ -115,6 +115,8 @@ def _run_case(
 def _cases() -> list[tuple[str, str, str]]:
     out = []
     for fn, algs in comm.ALGORITHMS.items():
+        if fn == "all_to_all":  # uneven splits per rank: its own test against Gloo's (tests/dist/test_alltoall.py)
+            continue
         ops = comm.OPS if fn in ("all_reduce", "reduce", "reduce_scatter") else ("-",)
         out += [(fn, alg, op) for alg in algs for op in ops]
     return out
