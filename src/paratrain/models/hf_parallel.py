@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.models.hf import architecture, decoder_layers
+from paratrain.models.hf_arch import architecture, decoder_layers
 from paratrain.models.llama_parallel import split_layers
 
 __all__ = ["check_pipeline", "check_tp", "pipeline_split", "refuse_tp", "stage_blocks", "tp_plan"]
@@ -67,7 +67,7 @@ def check_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
 
 def refuse_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
     """Tensor parallelism of an architecture without a plan here: refused, naming both."""
-    from paratrain.models.hf import TP_ARCHITECTURES
+    from paratrain.models.hf_arch import TP_ARCHITECTURES
 
     raise ConfigError(
         f"tensor parallelism (strategy tp, fsdp+tp or fsdp+tp+pp, --tp {tp}) is not supported for "
@@ -79,7 +79,7 @@ def refuse_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
 
 
 def _can_pipeline(model: nn.Module) -> bool:
-    from paratrain.models.hf import PP_ARCHITECTURES
+    from paratrain.models.hf_arch import PP_ARCHITECTURES
 
     return architecture(model) in PP_ARCHITECTURES
 

@@ -98,7 +98,7 @@ def load_state_dict_from_hf(state_dict: dict[str, Any], d: Path) -> None:
 
 def materialize_and_load(model: nn.Module, device: torch.device) -> None:
     """Allocate this rank's part of ``model`` and read it from the model's directory (module docstring)."""
-    from paratrain.models.hf import DIR_ATTR
+    from paratrain.models.hf_arch import DIR_ATTR
 
     d = getattr(model, DIR_ATTR, None)
     materialize(model, device)

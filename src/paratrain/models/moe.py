@@ -51,7 +51,7 @@ from torch import nn
 from paratrain.spec.moe import is_moe_layer
 
 if TYPE_CHECKING:
-    from paratrain.models.llama import LlamaConfig
+    from paratrain.spec.llama import LlamaConfig
 
 __all__ = [
     "GroupedExperts",

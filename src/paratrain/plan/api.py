@@ -349,7 +349,7 @@ def plan(
     strategy without that axis, ``--offload`` outside zero3/hsdp, ...).
     """
     w = workload or Workload()
-    from paratrain.plan.moe import EP_STRATEGIES, ep_plans
+    from paratrain.plan.moe import EP_STRATEGIES
 
     if strategy in EP_STRATEGIES or ep is not None:  # expert parallelism: plan/moe.py
         if strategy not in EP_STRATEGIES:
@@ -423,3 +423,32 @@ def with_defaults(w: Workload, cluster: Cluster, precision: str | None) -> Workl
     if precision is None:
         precision = "fp32" if cluster.name.startswith("cpu-local") else "bf16"
     return replace(w, precision=precision)
+
+
+def ep_plans(spec: Any, cluster: Any, w: Any, strategy: str | None, ep: int | None, overload: float,
+             dp_shard: int | None = None, dp_replicate: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The plans of ``strategy`` (``ep``/``fsdp+ep``; ``None``: both, at their default degrees) for ``spec``."""
+    from paratrain.plan import memory as mem
+    from paratrain.plan.moe import EP_STRATEGIES, MoEShape, apply_expert_parallel, check_ep
+
+    moe: MoEShape | None = getattr(spec, "moe", None)
+    names = [strategy] if strategy is not None else list(EP_STRATEGIES)
+    out = []
+    for name in names:
+        degree = ep if ep is not None else (cluster.gpus if name == "ep" else 2)
+        if strategy is None and (
+            moe is None or cluster.gpus % degree or moe.n_experts % degree or degree < 2
+        ):
+            continue  # a default that does not apply to this model or cluster
+        if strategy is not None and degree < 2 and cluster.gpus > 1:
+            raise ConfigError(f"strategy {name!r} splits the experts over an ep axis; give --ep 2 or more.")
+        check_ep(moe, degree, cluster.gpus, spec.name)
+        assert moe is not None
+        base = plan(spec, cluster, w, EP_STRATEGIES[name][0], dp_shard=dp_shard, dp_replicate=dp_replicate)
+        intra = degree <= cluster.gpus_per_node
+        alpha = cluster.intra_latency if intra else cluster.inter_latency
+        beta = 1 / (cluster.intra_bw if intra else cluster.inter_bw)
+        d = mem.dtypes(w.precision, w.optimizer, w.momentum)
+        out.append(apply_expert_parallel(base["plans"][0], name, moe, degree, spec.num_params, overload, d,
+                                         alpha, beta, cluster.gpu_mem_bytes))  # fmt: skip
+    return out

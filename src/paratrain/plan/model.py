@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paratrain.errors import ConfigError
+from paratrain.plan.profile import ActivationProfile
 
 if TYPE_CHECKING:
     from torch import nn
@@ -134,22 +135,6 @@ FALLBACK_SHAPES: dict[str, TransformerShape] = {
     "llama3-70b": TransformerShape(8192, 80, 64, 8, 28672, 128256, 8192),
     "gpt3-175b": TransformerShape(12288, 96, 96, 96, 4 * 12288, 50257, 2048, arch="gpt"),
 }
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """What one sample costs a model that is not a transformer, measured by a meta-device trace (fp32)."""
-
-    saved: float
-    """Bytes saved for backward per sample, the input and logits included."""
-    blocks_saved: tuple[float, ...]
-    """Of which, per sample, inside each block of ``model.blocks``."""
-    blocks_input: tuple[float, ...]
-    """Per sample, each block's input (what activation checkpointing keeps instead)."""
-    flops: float
-    """Forward + backward FLOPs per sample (``torch.utils.flop_counter``)."""
-    batch: float = 0.0
-    """Bytes per sample of the batch on the device: the fp32 input and, for a classifier, its int64 target."""
 
 
 @dataclass(frozen=True)

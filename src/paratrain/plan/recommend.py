@@ -189,7 +189,8 @@ def recommend(
 def _expert_parallel(spec: ModelSpec, cluster: Cluster, w: Workload) -> list[dict[str, Any]]:
     """The plans of ``ep`` and ``fsdp+ep`` at every ep degree that divides the GPUs and the experts (without,
     then with activation checkpointing where the first does not fit); none for a dense model."""
-    from paratrain.plan.moe import EP_STRATEGIES, ep_plans
+    from paratrain.plan.api import ep_plans
+    from paratrain.plan.moe import EP_STRATEGIES
 
     moe = spec.moe
     if moe is None or cluster.gpus < 2:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.plan.model import ActivationProfile
+from paratrain.plan.profile import ActivationProfile
 
 _BATCH = 2
 

@@ -1,0 +1,43 @@
+"""What paratrain knows of a Hugging Face model's architecture: which ones it can split, the class a model
+was built from, and its list of decoder layers. Shared by the builder (:mod:`.hf`), the parallel plans
+(:mod:`.hf_parallel`) and the weight loader (:mod:`.hf_weights`); imports no ``transformers``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paratrain.errors import ConfigError
+
+__all__ = ["DIR_ATTR", "HF_CLASS_ATTR", "PP_ARCHITECTURES", "TP_ARCHITECTURES", "architecture", "decoder_layers"]
+
+DIR_ATTR = "_paratrain_hf_dir"
+"""Instance attribute: the directory whose weights the (meta) model still has to load."""
+HF_CLASS_ATTR = "_paratrain_hf_class"
+"""Instance attribute: the original ``transformers`` class (for ``generate`` and export)."""
+TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+"""Architectures with a tensor-parallel plan (the config's ``base_model_tp_plan`` plus the head)."""
+PP_ARCHITECTURES = (*TP_ARCHITECTURES, "GPT2LMHeadModel")
+"""Architectures that can be cut into pipeline stages."""
+
+
+def architecture(model: nn.Module) -> str:
+    cls = getattr(model, HF_CLASS_ATTR, type(model))
+    return str(cls.__name__)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``ModuleList`` of the model's repeated decoder blocks: the one whose entries are instances of
+    the classes in ``_no_split_modules`` (else the longest ``ModuleList`` of modules)."""
+    wanted = set(getattr(model, "_no_split_modules", None) or ())
+    best: nn.ModuleList | None = None
+    for _, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0:
+            continue
+        present = [b for b in m if b is not None]
+        if wanted and present and all(type(b).__name__ in wanted for b in present):
+            return m
+        if best is None or len(m) > len(best):
+            best = m
+    if best is None:
+        raise ConfigError(f"{architecture(model)}: found no list of decoder layers to shard block by block.")
+    return best
