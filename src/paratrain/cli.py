@@ -33,6 +33,7 @@ def early_checks(cfg: RunConfig) -> None:
     second): the strategy name, and, when the world size is known without asking for GPUs (``--nproc-per-node``
     or ``--device cpu``, a fixed ``--nnodes``), the strategy's degrees and the batch split."""
     from paratrain.spec import strategies as specs
+    from paratrain.spec.refusals import check
 
     name = specs.canonical(cfg.strategy.name)
     launch = cfg.launch
@@ -40,7 +41,7 @@ def early_checks(cfg: RunConfig) -> None:
     if nproc is None or ":" in launch.nnodes or not launch.nnodes.isdigit():
         return
     world = nproc * int(launch.nnodes)
-    topology = specs.check(name, world, cfg.strategy, nproc)
+    topology = check(name, world, cfg.strategy, nproc)
     cfg.validate(world, topology.dp_size)
 
 

@@ -10,7 +10,7 @@ import pytest
 from paratrain.config import COMM_ALGORITHMS, StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.parallel.registry import available_strategies, get_strategy
-from paratrain.spec.strategies import check_comm_algorithm
+from paratrain.spec.refusals import check_comm_algorithm
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])

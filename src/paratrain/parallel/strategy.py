@@ -27,9 +27,9 @@ from torch import nn
 from paratrain.config import StrategyConfig
 from paratrain.parallel.topology import Topology
 from paratrain.runtime import Context
+from paratrain.spec.presets import resolve as spec_resolve
+from paratrain.spec.refusals import check as spec_check
 from paratrain.spec.strategies import StrategySpec
-from paratrain.spec.strategies import check as spec_check
-from paratrain.spec.strategies import resolve as spec_resolve
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -96,14 +96,14 @@ class Strategy:
     # ---- the preset, checked in the launching process before any worker starts ---------------------
     @classmethod
     def topology_for(cls, world_size: int, config: StrategyConfig, gpus_per_node: int | None = None) -> Topology:
-        """The run's topology (:func:`paratrain.spec.strategies.resolve`). ``gpus_per_node`` defaults to the
+        """The run's topology (:func:`paratrain.spec.presets.resolve`). ``gpus_per_node`` defaults to the
         launcher's ``LOCAL_WORLD_SIZE`` (one node without it). Raises :class:`ConfigError`."""
         return spec_resolve(cls.name, world_size, config, gpus_per_node or _local_world(world_size))
 
     @classmethod
     def check(cls, world_size: int, config: StrategyConfig, gpus_per_node: int | None = None) -> None:
         """Raise :class:`ConfigError` when this strategy cannot run with ``world_size`` and ``config``
-        (:func:`paratrain.spec.strategies.check`)."""
+        (:func:`paratrain.spec.refusals.check`)."""
         spec_check(cls.name, world_size, config, gpus_per_node or _local_world(world_size))
 
     @classmethod

@@ -11,6 +11,7 @@ from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.plan.model import TransformerShape
 from paratrain.spec import strategies as specs
+from paratrain.spec.refusals import check as spec_check
 from paratrain.spec.topology import Topology
 
 Layout = Topology
@@ -87,7 +88,7 @@ def resolve(
 ) -> tuple[str, str, Topology]:
     """``(strategy name, sharding, layout)`` from ``--strategy`` and the degree flags, validated.
 
-    A named strategy is resolved and checked by :func:`paratrain.spec.strategies.check`, the function
+    A named strategy is resolved and checked by :func:`paratrain.spec.refusals.check`, the function
     ``paratrain train``'s launcher calls, with ``options`` (the :class:`~paratrain.config.StrategyConfig`
     fields of the workload: ``microbatches``, ``pp_schedule``, ``sequence_parallel``, ``loss_parallel``,
     ``offload``, ...): the same layout and the same refusals. Without ``--strategy`` the degrees given make the
@@ -100,7 +101,7 @@ def resolve(
         name = specs.canonical(strategy)
         config = StrategyConfig(name=name, tp=tp, pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate,
                                 **(options or {}))  # fmt: skip
-        layout = specs.check(name, gpus, config, gpus_per_node)
+        layout = spec_check(name, gpus, config, gpus_per_node)
         check(layout, gpus, shape, model)
     else:
         layout = _from_degrees(gpus, tp or 1, pp or 1, dp_shard, dp_replicate)

@@ -11,7 +11,9 @@ Nothing in this package imports torch: the launcher, the planner, ``paratrain st
 lint`` read it without paying torch's import time.
 """
 
-from paratrain.spec.strategies import STRATEGIES, StrategySpec, check, resolve
+from paratrain.spec.presets import resolve
+from paratrain.spec.refusals import check
+from paratrain.spec.strategies import STRATEGIES, StrategySpec
 from paratrain.spec.topology import AXES, Topology
 
 __all__ = ["AXES", "STRATEGIES", "StrategySpec", "Topology", "check", "resolve"]

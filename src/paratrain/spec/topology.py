@@ -14,7 +14,7 @@ tensor dimensions)::
 - ``pp``: pipeline stages, outermost.
 
 The degrees are checked once, in the launching process (the strategy preset fills in what the flags leave
-open, :func:`paratrain.spec.strategies.resolve`), with a message that prints every factor. The planner
+open, :func:`paratrain.spec.presets.resolve`), with a message that prints every factor. The planner
 uses the same object as its layout. Each worker builds one DeviceMesh from it
 (:func:`paratrain.parallel.topology.build_mesh`) and every strategy uses sub-meshes of that one mesh
 (``mesh["tp"]``, ``mesh["dp_replicate", "dp_shard"]``, ...). This module never imports torch.
