@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["child_pids", "pid_alive", "process_state", "start_time", "stat_fields"]
+__all__ = ["child_pids", "pid_alive", "process_age", "process_state", "start_time", "stat_fields"]
 
 
 def stat_fields(pid: int | str) -> list[str] | None:
@@ -75,3 +75,18 @@ def child_pids(pid: int) -> list[int]:
         except OSError:
             continue
     return out
+
+
+def process_age() -> float:
+    """Seconds since this process started (0 where unknown; capped at an hour): what the interpreter's
+    start-up and imports cost, which ``paratrain doctor`` counts against its ``--timeout``."""
+    try:
+        fields = stat_fields("self")
+        if fields is None:
+            return 0.0
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return min(max(0.0, uptime - started), 3600.0)

@@ -42,7 +42,7 @@ from paratrain.diagnose.doctor_net import (
 )
 from paratrain.diagnose.doctor_selftest import find_slow_ranks, run_selftest, selftest_checks, skipped
 from paratrain.errors import ConfigError
-from paratrain.procfs import stat_fields
+from paratrain.procfs import process_age
 
 __all__ = ["Check", "add_arguments", "collect", "find_slow_ranks", "main", "run"]
 
@@ -373,21 +373,6 @@ def default_nproc() -> int:
     return count or 2
 
 
-def process_age() -> float:
-    """Seconds since this process started (Linux ``/proc``; 0 where unknown): the interpreter's start-up and
-    the imports before :func:`collect` runs count against ``--timeout`` too."""
-    try:
-        fields = stat_fields("self")
-        if fields is None:
-            return 0.0
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return min(max(0.0, uptime - started), 3600.0)
-
-
 def collect(
     nproc: int | None = None,
     timeout_s: float = 60.0,
@@ -397,7 +382,7 @@ def collect(
 ) -> tuple[list[Check], dict[str, Any]]:
     """Run every check; returns them in order, and the self-test's result (``{"ran": False, ...}`` if it
     did not run). ``spent_s``: seconds of ``timeout_s`` already used before the call (the command's
-    start-up, :func:`process_age`)."""
+    start-up, :func:`paratrain.procfs.process_age`)."""
     start = time.monotonic() - spent_s
     env = dict(os.environ if env is None else env)
     ifaces = interfaces()
