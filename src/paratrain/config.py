@@ -359,10 +359,18 @@ class TrainConfig:
     """``fp32``, ``bf16`` (autocast, CPU and GPU) or ``fp16`` (autocast + GradScaler, GPU only)."""
     seed: int = option(0)
     """Seed for every RNG; identical on all ranks so that models start identical."""
-    eval_every: int = 0
+    eval_every: int = option(0)
     """Evaluate every N steps (0: only at the end)."""
-    log_every: int = 10
-    """Write a metrics line every N steps."""
+    eval_batches: int = option(20)
+    """Evaluate on at most this many global batches (``--batch-size`` samples each) of the test split, the
+    same first samples every time (0: the whole split). The default covers the small tensor datasets whole
+    and keeps a language model's evaluation to seconds."""
+    keep_best: bool = option(False)
+    """Save a checkpoint at each evaluation that improves the eval loss and keep it (``checkpoints/best``
+    names it; retention never deletes it)."""
+    log_every: int | None = option(None)
+    """Print a progress line (without a terminal) and write a ``metrics.jsonl`` line every N steps.
+    Default: a line about every 10 s of wall time, and a metrics line every 10 steps."""
     run_dir: str | None = option(None)
     """Where metrics, logs and checkpoints go. Default: ``runs/<time>-<strategy>``."""
     progress: bool | None = None
@@ -412,7 +420,11 @@ class TrainConfig:
         _check_positive("train", "steps", self.steps, allow_none=True)
         _check_positive("train", "epochs", self.epochs, allow_none=True)
         _check_positive("train", "grad_accum", self.grad_accum)
-        _check_positive("train", "log_every", self.log_every)
+        _check_positive("train", "log_every", self.log_every, allow_none=True)
+        if self.eval_batches is not None and self.eval_batches < 0:
+            raise ConfigError(
+                f"train.eval_batches must be >= 0 (0: the whole test split), got {self.eval_batches!r}."
+            )
         _check_choices(self, "train")
         mode, every = ac_policy(self.activation_checkpointing)
         self.activation_checkpointing = f"selective:{every}" if mode == "every" else mode

@@ -85,3 +85,16 @@ def test_odd_world_size_matches_single_process(dist_run: Any, tmp_path: Path) ->
         assert_matches(got, ref, f"{name} on 3 ranks")
         _check_eval(got, overrides, 3, f"{name} on 3 ranks")
     assert results[1]["algorithm"] == "ring"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_eval_batches_caps_the_split_with_exact_totals(dist_run: Any, tmp_path: Path) -> None:
+    """``--eval-batches 5`` with batch 24 evaluates the first 120 test samples, over 2 sharded ranks, with the
+    totals of one process over those 120; the whole split's figures differ (the cap is applied)."""
+    overrides = [*DIGITS, "strategy.name=zero3", "train.eval_batches=5"]
+    got = dist_run(train_cases, 2, [overrides], str(tmp_path), timeout_s=220)[0][0]
+    correct, loss = single_process_eval(make_cfg(*overrides), got["params"])
+    assert abs(got["eval_accuracy"] - float(correct[:120].mean())) <= TOL
+    assert abs(got["eval_loss"] - float(loss[:120].mean())) <= TOL
+    assert abs(got["eval_loss"] - float(loss.mean())) > 100 * TOL  # 120 of 359 samples: not the whole split

@@ -366,9 +366,18 @@ class CheckpointManager:
         valid = by_commit_order(
             p for p in list_checkpoints(self.root) if is_valid_checkpoint(p, verify=False)
         )
+        best = read_best(self.root)  # --keep-best: the best evaluated checkpoint stays
         for p in valid[: max(0, len(valid) - self.keep_last)]:
-            if p != newest:
+            if p != newest and p.name != best:
                 shutil.rmtree(p, ignore_errors=True)
+
+    def mark_best(self, step: int, eval_loss: float) -> None:
+        """Rank 0: ``DIR/best`` names the committed checkpoint of ``step`` (first line) and its eval loss
+        (second line); replaced atomically. Retention never deletes the checkpoint it names."""
+        if self.ctx.is_main:
+            _write_text_atomic(self.root / BEST_FILE, f"{step_dir_name(step)}\n{eval_loss!r}\n",
+                               f"{self.job_id}-{os.getpid()}")  # fmt: skip
+            self._retain(self.root / step_dir_name(step))  # the previous best may go now
 
     # ---- verify and load --------------------------------------------------------------------------------------
     def _agree(self, local: list[str]) -> list[str]:
@@ -505,6 +514,18 @@ class CheckpointManager:
                 f"no usable checkpoint in {self.root}: {touched.name} failed while loading, after the model "
                 "was partly overwritten, and no older one loads. Use --resume never to start fresh."
             )
+        return None
+
+
+BEST_FILE = "best"
+"""``DIR/best``: the checkpoint with the lowest eval loss so far (``--keep-best``)."""
+
+
+def read_best(root: Path) -> str | None:
+    """The step directory name ``DIR/best`` names, or ``None``."""
+    try:
+        return (root / BEST_FILE).read_text().split("\n", 1)[0].strip() or None
+    except OSError:
         return None
 
 

@@ -73,6 +73,7 @@ class RunLifecycle:
         self._work: Any = None
         self._last_saved: int | None = None
         self._old_handlers: dict[int, Any] = {}
+        self._best_loss = float("inf")
 
     # ---- signals ------------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -205,6 +206,17 @@ class RunLifecycle:
         if every and st.step % every == 0 and st.step < st.total_steps:
             self.save()
         return False
+
+    def keep_if_best(self, eval_loss: float | None) -> None:
+        """``--keep-best``, after an evaluation, on every rank: a lower eval loss than any before in this job
+        saves a checkpoint at this step (unless just saved) and names it in ``DIR/best``."""
+        if not self.cfg.train.keep_best or eval_loss is None or not eval_loss < self._best_loss:
+            return
+        self._best_loss = eval_loss
+        if self._last_saved != self.state.step:
+            self.save()
+        self.ckpt.wait()  # an async save must be committed before ``best`` names it
+        self.ckpt.mark_best(self.state.step, eval_loss)
 
     def finish(self, steps_run: int) -> str | None:
         """Final save (unless just saved) and wait for saves in flight; returns the last checkpoint path."""

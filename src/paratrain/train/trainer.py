@@ -39,6 +39,7 @@ from paratrain.models.moe import after_optimizer_step, moe_layers, pop_aux_loss
 from paratrain.parallel import Strategy, canonical_name, model_state_bytes
 from paratrain.runtime import Context, get_logger
 from paratrain.spec.hardware import gpu_peak_flops
+from paratrain.train.console import ConsoleLog, header
 from paratrain.train.desync import check_desync
 from paratrain.train.lifecycle import RunLifecycle
 from paratrain.train.memory import measure_peak
@@ -324,9 +325,30 @@ class Trainer:
             self.moe_stats = after_optimizer_step(self.model, self.strategy.dp_group, t.grad_accum)
         return loss
 
+    def _console(self, start_step: int, lines: bool) -> ConsoleLog:
+        """Rank 0's header (printed now) and progress lines (:mod:`paratrain.train.console`)."""
+        t, data = self.cfg.train, self.data
+        seq = int(data.train.x.shape[1]) if data.task == "lm" else None
+        console = ConsoleLog(self.ctx, every=t.log_every, lines=lines, start_step=start_step,
+                             total_steps=self.state.total_steps, batch_size=t.batch_size, tokens_per_sample=seq)  # fmt: skip
+        console.print(header(
+            strategy=self.strategy.name, degrees=self.strategy.topology.degrees(), world_size=self.ctx.world_size,
+            batch_size=t.batch_size, dp_size=self.strategy.dp_size, grad_accum=t.grad_accum, start_step=start_step,
+            total_steps=self.state.total_steps, precision=t.precision, dataset=self.cfg.data.name,
+            train_samples=len(data.train), test_samples=len(data.test), tokens_per_sample=seq))  # fmt: skip
+        return console
+
+    def eval_size(self) -> int:
+        """Test samples each evaluation covers: the first ``eval_batches`` global batches (all with 0)."""
+        n, cap = len(self.data.test), self.cfg.train.eval_batches
+        return min(n, cap * self.cfg.train.batch_size) if cap else n
+
     @torch.no_grad()
-    def evaluate(self, batch_size: int = 512) -> tuple[float | None, float]:
-        """Accuracy (classification) and mean loss on the test split, split across data-parallel ranks.
+    def evaluate(
+        self, batch_size: int = 512, console: ConsoleLog | None = None
+    ) -> tuple[float | None, float]:
+        """Accuracy (classification) and mean loss on the first :meth:`eval_size` samples of the test split,
+        split across data-parallel ranks.
 
         Every rank runs the same number of forward passes (sharded models communicate in forward), padding
         with weight-0 samples; correct/count/loss sums are all-reduced, so the totals are exact. For a
@@ -335,7 +357,12 @@ class Trainer:
         model = self.model
         model.eval()
         test, task = self.data.test, self.data.task
-        n, r, w = len(test), self.strategy.dp_rank, self.strategy.dp_size
+        n, r, w = self.eval_size(), self.strategy.dp_rank, self.strategy.dp_size
+        e0 = time.perf_counter()
+        if console is not None:
+            console.print(
+                f"step {self.state.step}: evaluating on {n:,} of {len(test):,} test samples (--eval-batches)"
+            )
         mine = torch.arange(r, n, w)
         per_rank = -(-n // w)
         pad = per_rank - len(mine)
@@ -368,7 +395,11 @@ class Trainer:
             dist.all_reduce(sums, group=self.strategy.eval_group())
         model.train()
         acc = float(sums[0] / sums[1]) if task == "classification" else None
-        return acc, float(sums[2] / sums[1])
+        loss = float(sums[2] / sums[1])
+        if console is not None:
+            shown = f"eval loss {loss:.4f}" + (f", accuracy {acc:.2%}" if acc is not None else "")
+            console.print(f"step {self.state.step}: {shown} ({time.perf_counter() - e0:.1f} s)")
+        return acc, loss
 
     def fit(self) -> TrainResult:
         t, st = self.cfg.train, self.state
@@ -380,6 +411,8 @@ class Trainer:
                   file=sys.stderr, flush=True)  # fmt: skip
         logged = st.losses
         bar = _progress(self.ctx, t.progress, st.total_steps, start_step)
+        console = self._console(start_step, lines=bar is None)
+        metrics_every = t.log_every or 10
         self.ctx.synchronize()
         on_cuda = self.ctx.device.type == "cuda"
         if on_cuda:  # the caching allocator's peak over the training steps (not start-up, not evaluation)
@@ -410,21 +443,30 @@ class Trainer:
                     peers.step = st.step
                 if bar is not None:
                     bar.update(1)
-                if st.step % t.log_every == 0 or st.step == st.total_steps:
+                if st.step == console.calibrate_at:  # every rank: rank 0's step time sets the cadence
+                    timed = st.step - start_step - (1 if tracked_s else 0)
+                    console.calibrate(st.step, time.perf_counter() - t0 - eval_time - tracked_s, timed)
+                show = console.due(st.step)
+                if show or st.step % metrics_every == 0 or st.step == st.total_steps:
                     self.flush_losses()
+                    train_s = time.perf_counter() - t0 - eval_time
                     if bar is not None:
                         bar.set_postfix(loss=f"{logged[-1]:.4f}")
-                    self.observers.on_step_end(st.step, {
-                        "step": st.step, "loss": logged[-1], "lr": self.step_lr,
-                        "train_time_s": time.perf_counter() - t0 - eval_time, "grad_norm": self.grad_norm,
-                        "peak_bytes": peak, **({"moe": self.moe_stats} if self.moe_stats else {})})  # fmt: skip
+                    if show:
+                        console.step_line(st.step, logged[-1], self.step_lr, train_s - tracked_s)
+                    if st.step % metrics_every == 0 or st.step == st.total_steps:
+                        self.observers.on_step_end(st.step, {
+                            "step": st.step, "loss": logged[-1], "lr": self.step_lr,
+                            "train_time_s": train_s, "grad_norm": self.grad_norm, "peak_bytes": peak,
+                            **({"moe": self.moe_stats} if self.moe_stats else {})})  # fmt: skip
                 if t.eval_every and st.step % t.eval_every == 0 and st.step < st.total_steps:
                     e0 = time.perf_counter()
-                    acc_i, eloss_i = self.evaluate()
-                    eval_time += time.perf_counter() - e0
+                    acc_i, eloss_i = self.evaluate(console=console)
                     self.observers.on_eval(
                         st.step, {"step": st.step, "eval_accuracy": acc_i, "eval_loss": eloss_i}
                     )
+                    self.lifecycle.keep_if_best(eloss_i)
+                    eval_time += time.perf_counter() - e0
                 if t.check_desync_every and st.step % t.check_desync_every == 0:
                     # replicas must hold identical parameters: compare digests across the data-parallel
                     # ranks (a pipeline's stages hold different layers by design)
@@ -457,7 +499,8 @@ class Trainer:
         self.flush_losses()
         acc, eloss = None, None
         if not self.lifecycle.stopped_by:  # a signal-stopped run skips evaluation to exit quickly
-            acc, eloss = self.evaluate()
+            acc, eloss = self.evaluate(console=console)
+            self.lifecycle.keep_if_best(eloss)
         self.observers.on_eval(
             st.step, {"step": st.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True}
         )
