@@ -1,10 +1,11 @@
-"""FSDP + tensor parallelism on a Llama model: seed 004's recipe (TP degree 2 inside a node, FSDP across).
+"""FSDP + tensor parallelism on a Llama model (TP degree 2 inside a node, FSDP across).
 
     paratrain launch --nproc-per-node 4 examples/fsdp_tp_llama.py
     python -m torch.distributed.run --nproc-per-node 4 examples/fsdp_tp_llama.py      # plain torchrun
     paratrain launch --slurm --nodes 2 --gpus-per-node 4 examples/fsdp_tp_llama.py     # writes the Slurm job
 
-The same training from the command line: ``paratrain train --model llama-debug --data python-stdlib
+The same training from the command line (the same data, batches, steps and learning rate): ``paratrain train
+--model llama-debug --data python-stdlib --set data.max_bytes=400000 --seq-len 64 --batch-size 16 --steps 30
 --strategy fsdp+tp --tp 2 --nproc-per-node 4``. This file uses the PyTorch APIs directly, so every step is
 in view (the tutorial it follows: https://pytorch.org/tutorials/intermediate/TP_tutorial.html):
 

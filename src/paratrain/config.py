@@ -361,10 +361,10 @@ class TrainConfig:
     """Seed for every RNG; identical on all ranks so that models start identical."""
     eval_every: int = option(0)
     """Evaluate every N steps (0: only at the end)."""
-    eval_batches: int = option(20)
+    eval_batches: int | None = option(None)
     """Evaluate on at most this many global batches (``--batch-size`` samples each) of the test split, the
-    same first samples every time (0: the whole split). The default covers the small tensor datasets whole
-    and keeps a language model's evaluation to seconds."""
+    same first samples every time (0: the whole split). Default: 20 (the small tensor datasets whole), 4 for
+    a language model (its evaluation in seconds)."""
     keep_best: bool = option(False)
     """Save a checkpoint at each evaluation that improves the eval loss and keep it (``checkpoints/best``
     names it; retention never deletes it)."""

@@ -16,6 +16,7 @@ from paratrain.config import DataConfig
 from paratrain.data.batch import Batch
 from paratrain.data.sampler import DistributedBatchSampler
 from paratrain.errors import ConfigError, suggest
+from paratrain.spec.factory import is_import_path
 
 __all__ = [
     "Batch",
@@ -77,7 +78,14 @@ _BUILT_IN = ("digits", "synthetic-classification", "synthetic-regression")
 """Datasets the code makes or a package ships: a ``:PATH`` after their name would be ignored."""
 
 
-def build_dataset(cfg: DataConfig) -> Splits:
+def build_dataset(cfg: DataConfig, seed: int = 0) -> Splits:
+    """The splits of ``cfg.name``: a registered dataset, or a user's factory ``pkg.module:factory``
+    (:mod:`paratrain.data.user`; ``seed`` is offered to it)."""
+    user = user_factory_path(cfg)
+    if user is not None:
+        from paratrain.data.user import build_user_dataset
+
+        return build_user_dataset(user, cfg, seed)  # type: ignore[no-any-return]
     builder = get_dataset_builder(cfg.name)
     if cfg.name in _BUILT_IN and cfg.path:
         raise ConfigError(
@@ -85,6 +93,15 @@ def build_dataset(cfg: DataConfig) -> Splits:
             f"Write --data {cfg.name}, or name a file-backed dataset (mnist:DIR, cifar10:DIR, text:PATH)."
         )
     return builder(cfg)
+
+
+def user_factory_path(cfg: DataConfig) -> str | None:
+    """``pkg.module:factory`` when ``cfg`` names a user's dataset factory, not a registered ``NAME[:PATH]``."""
+    _load_builtin()
+    if cfg.name in _REGISTRY:
+        return None
+    full = f"{cfg.name}:{cfg.path}" if cfg.path is not None else cfg.name
+    return full if is_import_path(full) else None
 
 
 def get_dataset_builder(name: str) -> DatasetBuilder:

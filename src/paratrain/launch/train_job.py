@@ -79,7 +79,7 @@ def preflight_run(cfg: RunConfig) -> int:
     for what, value in (("--ckpt-dir", cfg.checkpoint.dir), ("--run-dir", cfg.train.run_dir)):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
             raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
-    data = build_dataset(cfg.data)
+    data = build_dataset(cfg.data, cfg.train.seed)
     check_model_fits_data(cfg.model.name, cfg.data.name, data.task, data.input_shape)
     dp = strategy.data_parallel_size(world, cfg.strategy, nproc)
     if len(data.train) < cfg.train.batch_size:
@@ -145,8 +145,10 @@ def use_model_tokenizer(cfg: RunConfig) -> None:
 def check_model_fits_data(model: str, dataset: str, task: str, input_shape: tuple[int, ...]) -> None:
     """A language model needs a text dataset (token ids) and the other models need tensor data; images for
     cnn/resnet. Raises :class:`ConfigError` with one line, instead of a dtype error inside the workers."""
-    from paratrain.models import is_language_model
+    from paratrain.models import is_language_model, is_user_model
 
+    if is_user_model(model):  # a user's factory declares nothing: its forward pass is the check
+        return
     if is_language_model(model) and task != "lm":
         raise ConfigError(
             f"model {model!r} is a language model and needs a text dataset, but {dataset!r} holds {task} "

@@ -10,6 +10,7 @@ from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.errors import ConfigError, suggest
+from paratrain.spec.factory import call_accepting, is_import_path, load_object
 
 HF_PREFIX = "hf:"
 """``--model hf:DIR``: a Hugging Face causal LM from a local directory."""
@@ -36,14 +37,41 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int
 
 
 def get_model_builder(name: str) -> ModelBuilder:
-    """The builder registered as ``name``; :class:`ConfigError` with a suggestion otherwise. ``hf:DIR`` is a
+    """The builder registered as ``name``, or a user's factory ``pkg.module:factory``
+    (:func:`user_model_builder`); :class:`ConfigError` with a suggestion otherwise. ``hf:DIR`` is a
     Hugging Face model directory (:mod:`paratrain.models.hf`), checked here (config.json, weight files)."""
     if name.startswith(HF_PREFIX):
         return _hf(name)
     _load_builtin()
+    if name not in _REGISTRY and is_import_path(name):
+        return user_model_builder(name)
     if name not in _REGISTRY:
         raise ConfigError(f"unknown model {name!r}. {suggest(name, available_models())}")
     return _REGISTRY[name]
+
+
+def user_model_builder(path: str) -> ModelBuilder:
+    """A user's model factory (``--model pkg.module:factory``) as a builder. The factory is called with the
+    keyword arguments it accepts among ``input_shape`` (one sample's shape, without the batch dim) and
+    ``num_outputs`` (classes, regression targets or vocabulary size), and returns an ``nn.Module``. To be
+    split by ``tp``/``pp`` it attaches a :class:`~paratrain.models.spec.ModelSpec` with its plans
+    (:func:`~paratrain.models.spec.attach_spec`); ``zero3``/``fsdp`` shard ``model.blocks`` one by one when
+    it has them."""
+    factory = load_object(path, "--model")  # imported now: a bad path fails before launch
+
+    def build(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
+        model = call_accepting(factory, input_shape=tuple(input_shape), num_outputs=num_outputs)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"--model {path} returned a {type(model).__name__}, not a torch.nn.Module.")
+        return model
+
+    return build
+
+
+def is_user_model(name: str) -> bool:
+    """Whether ``name`` is a user's factory path rather than a registered model."""
+    _load_builtin()
+    return not name.startswith(HF_PREFIX) and name not in _REGISTRY and is_import_path(name)
 
 
 def is_language_model(name: str) -> bool:

@@ -49,6 +49,9 @@ from paratrain.train.observe import RunObservers
 from paratrain.train.precision import Precision
 from paratrain.train.state import TrainState
 
+EVAL_BATCHES, LM_EVAL_BATCHES = 20, 4
+"""Global batches an evaluation covers without ``--eval-batches``: tensor data, language models."""
+
 
 @dataclass
 class TrainResult:
@@ -341,6 +344,8 @@ class Trainer:
     def eval_size(self) -> int:
         """Test samples each evaluation covers: the first ``eval_batches`` global batches (all with 0)."""
         n, cap = len(self.data.test), self.cfg.train.eval_batches
+        if cap is None:
+            cap = LM_EVAL_BATCHES if self.data.task == "lm" else EVAL_BATCHES
         return min(n, cap * self.cfg.train.batch_size) if cap else n
 
     @torch.no_grad()

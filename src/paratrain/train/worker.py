@@ -24,7 +24,7 @@ from paratrain.train.trainer import Trainer, TrainResult, build_optimizer
 
 def build_trainer(cfg: RunConfig, ctx: Context, run_dir: Path) -> Trainer:
     """Build data, model, optimizer and strategy from ``cfg``: everything :meth:`Trainer.fit` needs."""
-    data = build_dataset(cfg.data)
+    data = build_dataset(cfg.data, cfg.train.seed)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     num_params = count_parameters(model)
     strategy = build_strategy(ctx, cfg.strategy)  # the run's topology and its one DeviceMesh

@@ -1,0 +1,68 @@
+"""A user's own model or dataset named by an import path, as Lightning CLI's class paths are:
+``--model mypkg.models:build``, ``--data mypkg.data:build``.
+
+``module:attr`` names a callable in an importable module. The current directory is importable (as under
+``python -m``), so a package next to where ``paratrain`` runs needs no installation. The callable is
+called with the keyword arguments it accepts among those offered (:func:`call_accepting`); the model and
+data registries say which they offer. Torch-free: a bad path is refused before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from paratrain.errors import ConfigError
+
+_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` is written ``module:attr`` (``pkg.module:factory``, ``mod:Class.create``)."""
+    return bool(_PATH.fullmatch(name))
+
+
+def load_object(path: str, what: str) -> Callable[..., Any]:
+    """The callable ``path`` (``module:attr``) names; :class:`ConfigError` naming what is wrong otherwise.
+
+    ``what`` is the flag in messages (``--model``, ``--data``)."""
+    module_name, _, attr = path.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)  # a package in the current directory, as under ``python -m``
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise ConfigError(
+                f"{what} {path}: no module named {e.name!r} (looked in the current directory {cwd} and on "
+                "sys.path). Run paratrain from the directory that holds the package, or install it."
+            ) from None
+        raise ConfigError(f"{what} {path}: importing {module_name} failed: {e}") from None
+    except Exception as e:  # the user's module raised while importing: name it, with its error
+        raise ConfigError(f"{what} {path}: importing {module_name} raised {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} {path}: {module_name} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{what} {path}: {attr} is a {type(obj).__name__}, not a function or class.")
+    return obj  # type: ignore[no-any-return]
+
+
+def call_accepting(fn: Callable[..., Any], **offered: Any) -> Any:
+    """``fn(**kw)`` with the keyword arguments of ``offered`` that ``fn`` accepts (all of them when it takes
+    ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: call it bare
+        return fn()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**offered)
+    names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return fn(**{k: v for k, v in offered.items() if k in names})
