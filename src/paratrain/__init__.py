@@ -32,9 +32,12 @@ _EXPORTS = {
     "print0": "paratrain.runtime",
     "shutdown": "paratrain.runtime",
     "Trainer": "paratrain.train",
+    "load_state": "paratrain.checkpoint.loop",
+    "save_state": "paratrain.checkpoint.loop",
 }
 
 if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time __getattr__ imports them
+    from paratrain.checkpoint.loop import load_state, save_state  # noqa: F401
     from paratrain.config import RunConfig  # noqa: F401
     from paratrain.errors import ConfigError  # noqa: F401
     from paratrain.parallel import Strategy, available_strategies, setup  # noqa: F401

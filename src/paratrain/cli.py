@@ -120,6 +120,21 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_catalog(args: argparse.Namespace) -> int:
+    """``paratrain models`` / ``paratrain datasets`` (torch-free: spec/catalog.py)."""
+    from paratrain.spec import catalog
+
+    rows = catalog.models() if args.command == "models" else catalog.datasets()
+    if args.json:
+        print(json.dumps(dict(rows)))
+        return 0
+    for name, text in rows:
+        print(f"{name:26s} {text}")
+    flag = "--model" if args.command == "models" else "--data"
+    print(f"\nyour own: {flag} pkg.module:factory (docs/python-api.md)")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from paratrain.diagnose.guard.launcher import resolve_guard_arguments
     from paratrain.launch import LaunchError, run_module, run_script
@@ -191,6 +206,11 @@ def _train(p: argparse.ArgumentParser) -> None:
 def _strategies(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_strategies)
+
+
+def _catalog(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print {name: description} as one JSON object")
+    p.set_defaults(func=cmd_catalog)
 
 
 def _launch(p: argparse.ArgumentParser) -> None:
@@ -278,6 +298,8 @@ def _plot(p: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, Any]] = {
     "train": ("train a model (default: CNN on digits, ddp over 2 local processes)", _train),
     "strategies": ("list the registered parallel strategies", _strategies),
+    "models": ("list the models --model accepts by name (and how to bring your own)", _catalog),
+    "datasets": ("list the datasets --data accepts by name (and how to bring your own)", _catalog),
     "launch": ("run any script on N local ranks with the torch elastic agent (torchrun drop-in)", _launch),
     "lint": ("static checks for distributed-training mistakes in any training script", _lint),
     "doctor": ("check the setup: versions, GPUs, network variables, a communication self-test", _doctor),

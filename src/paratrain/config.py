@@ -125,7 +125,8 @@ def _check_range(section: str, name: str, value: float, lo: float, hi: float, hi
 @dataclass
 class ModelConfig:
     name: str = option("cnn", flag="--model")
-    """Model from the model registry (``mlp``, ``cnn``, ``resnet18``, ...; ``paratrain models`` lists them)."""
+    """Model from the model registry (``mlp``, ``cnn``, ``resnet18``, ...; ``paratrain models`` lists them), or
+    your own factory ``pkg.module:function`` (docs/python-api.md)."""
     hidden: int = 128
     """Hidden width of ``mlp`` layers."""
     layers: int = 2

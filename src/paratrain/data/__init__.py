@@ -16,6 +16,7 @@ from paratrain.config import DataConfig
 from paratrain.data.batch import Batch
 from paratrain.data.sampler import DistributedBatchSampler
 from paratrain.errors import ConfigError, suggest
+from paratrain.spec.catalog import DATASET_GROUP, plugins
 from paratrain.spec.factory import is_import_path
 
 __all__ = [
@@ -100,6 +101,9 @@ def user_factory_path(cfg: DataConfig) -> str | None:
     _load_builtin()
     if cfg.name in _REGISTRY:
         return None
+    installed = plugins(DATASET_GROUP)  # entry points of installed packages (spec/catalog.py)
+    if cfg.name in installed:
+        return installed[cfg.name]
     full = f"{cfg.name}:{cfg.path}" if cfg.path is not None else cfg.name
     return full if is_import_path(full) else None
 

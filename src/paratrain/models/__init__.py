@@ -10,6 +10,7 @@ from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.errors import ConfigError, suggest
+from paratrain.spec.catalog import MODEL_GROUP, plugins
 from paratrain.spec.factory import call_accepting, is_import_path, load_object
 
 HF_PREFIX = "hf:"
@@ -45,6 +46,9 @@ def get_model_builder(name: str) -> ModelBuilder:
     _load_builtin()
     if name not in _REGISTRY and is_import_path(name):
         return user_model_builder(name)
+    installed = plugins(MODEL_GROUP)  # entry points of installed packages (spec/catalog.py)
+    if name not in _REGISTRY and name in installed:
+        return user_model_builder(installed[name])
     if name not in _REGISTRY:
         raise ConfigError(f"unknown model {name!r}. {suggest(name, available_models())}")
     return _REGISTRY[name]
@@ -71,7 +75,9 @@ def user_model_builder(path: str) -> ModelBuilder:
 def is_user_model(name: str) -> bool:
     """Whether ``name`` is a user's factory path rather than a registered model."""
     _load_builtin()
-    return not name.startswith(HF_PREFIX) and name not in _REGISTRY and is_import_path(name)
+    if name.startswith(HF_PREFIX) or name in _REGISTRY:
+        return False
+    return is_import_path(name) or name in plugins(MODEL_GROUP)
 
 
 def is_language_model(name: str) -> bool:

@@ -1,0 +1,64 @@
+"""``paratrain models`` / ``datasets``: the torch-free catalog names exactly what the registries accept, marks
+the shape-only presets, and the commands import no torch; the import-path helpers of ``--model/--data
+pkg.module:factory``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from paratrain.data import available_datasets
+from paratrain.errors import ConfigError
+from paratrain.models import available_models
+from paratrain.spec import catalog
+from paratrain.spec.factory import call_accepting, is_import_path, load_object
+from paratrain.spec.llama import SHAPE_ONLY_PRESETS
+
+
+def test_the_catalog_is_the_registries() -> None:
+    assert {n for n, _ in catalog.models()} == set(available_models())
+    assert {n for n, _ in catalog.datasets()} == set(available_datasets())
+    shown = dict(catalog.models())
+    assert SHAPE_ONLY_PRESETS and all("shape-only" in shown[n] for n in SHAPE_ONLY_PRESETS)
+    assert "shape-only" not in shown["llama-debug"]
+
+
+@pytest.mark.timeout(120)
+def test_models_and_datasets_commands_need_no_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        class _Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("torch is unimportable in this test: " + name)
+        sys.meta_path.insert(0, _Block())
+        from paratrain.cli import main
+        main(["models", "--json"]); main(["datasets", "--json"])
+        assert "torch" not in sys.modules
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    models, datasets = (json.loads(line) for line in proc.stdout.splitlines())
+    assert "llama2-7b" in models and "mlp" in models and "python-stdlib" in datasets
+
+
+def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert is_import_path("mypkg.models:build") and is_import_path("m:Net.create")
+    assert not is_import_path("mnist:/data/mnist") and not is_import_path("text:../corpus")
+    (tmp_path / "usermod.py").write_text(
+        "def build(input_shape, width=3):\n    return (input_shape, width)\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the current directory is importable
+    fn = load_object("usermod:build", "--model")
+    assert call_accepting(fn, input_shape=(4,), num_outputs=10) == ((4,), 3)  # num_outputs not accepted
+    with pytest.raises(ConfigError, match="usermod has no attribute 'nope'"):
+        load_object("usermod:nope", "--model")
+    with pytest.raises(ConfigError, match="no module named 'nomod'"):
+        load_object("nomod:build", "--data")
