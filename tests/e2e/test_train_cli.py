@@ -164,10 +164,15 @@ def test_failing_worker_is_reported_by_rank(tmp_path: Path) -> None:
         "    raise ValueError('bad shard 17')\n"
         "time.sleep(2)\n"
     )
-    # a plain script (no error file): the exit of rank 1 is the root cause, not rank 0's SIGTERM from the agent
+    # a plain script, no decorator: the exception of rank 1 is the root cause (not rank 0's SIGTERM from the
+    # agent), named in the headline with its type, message and frame
     proc = run_cli("launch", "--nproc-per-node", "2", str(script), cwd=tmp_path, check=False)
     assert proc.returncode == 1
-    assert "rank 1 failed (exit code 1)" in proc.stderr, proc.stderr
+    report = proc.stderr[proc.stderr.index("paratrain launch: ") :]
+    assert report.startswith("paratrain launch: rank 1 failed (exit code 1): ValueError: bad shard 17"), (
+        proc.stderr
+    )
+    assert 'boom.py", line 3, in <module>' in report, proc.stderr
 
 
 @pytest.mark.e2e

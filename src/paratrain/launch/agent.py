@@ -261,7 +261,13 @@ def run_script(script: str, argv: list[str], launch: LaunchConfig, quiet: bool =
     """Run ``python script argv...`` on every local rank: ``paratrain launch`` as a torchrun drop-in."""
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} does not exist. Give the path of a Python file to run.")
-    return run(["-u", script, *argv], launch, quiet=quiet)
+    # through script_runner.py: an uncaught exception lands in the agent's error file, so the headline
+    # names it for any script (started by path: nothing is imported before the script)
+    return run(
+        ["-u", os.path.join(os.path.dirname(__file__), "script_runner.py"), script, *argv],
+        launch,
+        quiet=quiet,
+    )
 
 
 def preflight_train(cfg: Any, world: int, strategy: Any) -> None:
