@@ -180,10 +180,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.train.generate import generate
 
-    out = generate(
-        args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.model
-    )
+    out = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                   args.model, kv_cache=not args.no_kv_cache)  # fmt: skip
     print(json.dumps(out) if args.json else args.prompt + out["text"])
+    if not args.json and out.get("tokens_per_s"):
+        print(f"[paratrain] {out['new_tokens']} tokens at {out['tokens_per_s']:,.1f} tokens/s "
+              f"({out['threads']} threads, KV cache {'on' if out['kv_cache'] else 'off'})", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -267,6 +269,7 @@ def _generate(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context for every token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
 

@@ -15,7 +15,9 @@ starts with the model's BOS, and sampling stops after the EOS, as ``transformers
 from __future__ import annotations
 
 import math
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,49 @@ from paratrain.config import RunConfig
 from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, is_language_model
+from paratrain.models.llama import Llama
+from paratrain.models.llama_decode import forward_cached
 
 MIN_TEMPERATURE = 1e-6
 """The smallest positive temperature: logits of a few hundred divided by it stay far from float32's range."""
+
+
+SMALL_MODEL = 20_000_000
+"""Parameters below which one thread decodes fastest: one token of a small model is a few hundred tiny ops,
+whose OpenMP fork/join costs more than it saves (llama-debug on 2 loaded cores: 48 tokens/s on 1 thread,
+4.5 on 2)."""
+
+
+def set_threads(num_params: int) -> int:
+    """Set torch's threads as the launcher sets its workers' (``OMP_NUM_THREADS`` wins; else the cores this
+    process may use, its CPU affinity), but one for a small model (:data:`SMALL_MODEL`). Returns the count."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(1 if num_params < SMALL_MODEL else max(1, cores))
+    return torch.get_num_threads()
+
+
+def _next_logits(model: torch.nn.Module, limit: int, kv_cache: bool) -> Callable[[list[int]], torch.Tensor]:
+    """``f(ids) -> logits of the token after ids``. With ``kv_cache``: a prefill, then one position per call
+    (:mod:`paratrain.models.llama_decode`), while the sequence fits ``limit``; past it, and without a cache,
+    a forward over the last ``limit`` ids."""
+    cache: list[Any] = []
+    done = 0  # ids already in the cache
+
+    def full(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids[-limit:]]))[0, -1].float()
+
+    def cached(ids: list[int]) -> torch.Tensor:
+        nonlocal done
+        if len(ids) > limit:
+            return full(ids)
+        new = ids[done:] if done else ids
+        logits = forward_cached(model, torch.tensor([new]), cache)  # type: ignore[arg-type]
+        done = len(ids)
+        return logits[0, -1].float()
+
+    return cached if kv_cache else full
 
 
 def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
@@ -78,9 +120,11 @@ def generate(
     top_k: int | None = 50,
     seed: int = 0,
     model_name: str | None = None,
+    kv_cache: bool = True,
 ) -> dict[str, Any]:
     """Sample ``max_new_tokens`` after ``prompt`` from the checkpoint ``ckpt`` or the Hugging Face directory of
-    ``model_name`` (``hf:DIR``); returns the text, the new tokens' ids and what produced them."""
+    ``model_name`` (``hf:DIR``); returns the text, the new tokens' ids and what produced them. ``kv_cache``:
+    decode a paratrain Llama incrementally (the same tokens, far fewer FLOPs; :mod:`paratrain.models.llama_decode`)."""
     if (ckpt is None) == (model_name is None):
         raise ConfigError(
             "generate: give --ckpt RUN (a trained run) or --model hf:DIR (a pretrained directory)."
@@ -161,16 +205,18 @@ def _sample(
 ) -> dict[str, Any]:
     """The sampling loop (module docstring); an hf model's prompt starts with its BOS and it stops at EOS."""
     model.eval()
+    set_threads(sum(p.numel() for p in model.parameters()))
     bos, eos = getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)
     ids = ([bos] if bos is not None else []) + tok.encode(prompt)
     ids = ids or [0]
     limit = _context_limit(model)
     gen = torch.Generator().manual_seed(seed)
     out = list(ids)
+    next_logits = _next_logits(model, limit, kv_cache and isinstance(model, Llama))
     t0 = time.perf_counter()
     for _ in range(max_new_tokens):
         # only ids the tokenizer can decode (a model may have more rows: --set model.vocab_size=)
-        logits = model(torch.tensor([out[-limit:]]))[0, -1].float()[: tok.vocab_size]
+        logits = next_logits(out)[: tok.vocab_size]
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -191,4 +237,6 @@ def _sample(
         "prompt_ids": ids,
         "token_ids": new,
         "tokens_per_s": len(new) / seconds if seconds > 0 else None,
+        "kv_cache": kv_cache and isinstance(model, Llama),
+        "threads": torch.get_num_threads(),
     }
