@@ -85,8 +85,9 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("checkpoint", str(s.get("checkpoint"))),
         ("param sha256", str(s.get("param_sha256"))[:16] + "..."),
     ]  # fmt: skip
+    rows[1:1] = _run_rows(s)
     if ppl is not None:
-        rows.insert(6, ("eval perplexity", f"{ppl:.2f}"))
+        rows.insert(9, ("eval perplexity", f"{ppl:.2f}"))
     if tps:
         rows.insert(-3, ("tokens/s", f"{tps:,.0f}"))
     if s.get("peak_bytes_per_rank"):
@@ -104,6 +105,17 @@ def _print_summary(s: dict[str, Any]) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:>{width}}  {v}")
+
+
+def _run_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Summary rows of how the run ran: precision and collectives, wall and training time, restarts."""
+    wall, train = s.get("wall_time_s"), s.get("train_time_s")
+    times = [f"{wall:.1f} s wall" if wall is not None else "", f"{train:.1f} s training" if train else ""]
+    return [
+        ("precision / comm", f"{s.get('precision', 'n/a')}, {s.get('comm_algorithm', 'native')} collectives"),
+        ("time", ", ".join(t for t in times if t) or "n/a"),
+        ("restarts", str(s.get("restarts", 0))),
+    ]
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
@@ -318,6 +330,14 @@ COMMANDS: dict[str, tuple[str, Any]] = {
 def _command_of(argv: list[str]) -> str | None:
     """The command named in ``argv`` (its first word that is not an option), if any."""
     return next((a for a in argv if not a.startswith("-")), None)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag or value is two lines (the error, and where the help is), not the whole
+    usage of ``train``'s hundred flags."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
 
 
 def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

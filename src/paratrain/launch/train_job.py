@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -203,6 +204,15 @@ def preflight_run_dir(run_dir: Path) -> None:
         ) from None
 
 
+def start_new_metrics(run_dir: Path, cfg: RunConfig) -> None:
+    """``--resume never`` in a used run directory starts a new ``metrics.jsonl``: the old one is kept as
+    ``metrics-<time it was last written>.jsonl`` (``paratrain plot`` would draw two runs as one curve)."""
+    old = run_dir / "metrics.jsonl"
+    if cfg.checkpoint.resume == "never" and old.is_file() and old.stat().st_size:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(old.stat().st_mtime))
+        os.replace(old, run_dir / f"metrics-{stamp}.jsonl")
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{stamp}-{cfg.strategy.name.replace('+', '_')}-{uuid.uuid4().hex[:6]}"
@@ -216,10 +226,17 @@ def run_training(cfg: RunConfig, quiet: bool = False) -> dict[str, Any]:
         cfg.data.cache_dir = str(run_dir)
     world = preflight_run(cfg)
     run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else run_dir  # multi-node: runs/<rdzv-id>
+    created = not run_dir.exists()
     preflight_run_dir(run_dir)
     cfg.train.run_dir = str(run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    preflight_checkpoint_dir(ckpt_dir)  # a read-only or unusable directory fails now, not after training
+    try:
+        preflight_checkpoint_dir(ckpt_dir)  # a read-only or unusable directory fails now, not after training
+    except ConfigError:
+        if created:  # refused before anything ran: leave no empty run directory behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    start_new_metrics(run_dir, cfg)
     # One writer per checkpoint directory: the lock is held by this process for the whole run (node 0 of a
     # multi-node job); the workers name their temporary files after the same job id.
     job_id = os.environ.setdefault(
@@ -242,6 +259,7 @@ def run_training(cfg: RunConfig, quiet: bool = False) -> dict[str, Any]:
             f"{world} process(es), run dir {run_dir}",
             file=sys.stderr,
         )
+    started = time.perf_counter()
     try:
         run_module("paratrain.train.worker", [str(config_path)], cfg.launch)
     finally:
@@ -254,4 +272,5 @@ def run_training(cfg: RunConfig, quiet: bool = False) -> dict[str, Any]:
     summary: dict[str, Any] = json.loads(summary_path.read_text())
     if os.environ.get("PARATRAIN_PREDICTED_PEAK"):  # set by the planner's guard (PREFLIGHT_CHECKS)
         summary["predicted_peak_bytes_per_rank"] = int(os.environ["PARATRAIN_PREDICTED_PEAK"])
+    summary["wall_time_s"] = time.perf_counter() - started  # launch to exit, start-up included
     return summary

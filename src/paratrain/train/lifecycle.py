@@ -74,6 +74,8 @@ class RunLifecycle:
         self._last_saved: int | None = None
         self._old_handlers: dict[int, Any] = {}
         self._best_loss = float("inf")
+        self.resumed_path: str | None = None
+        """The checkpoint this run resumed from (the run's checkpoint when it trains no step)."""
 
     # ---- signals ------------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -160,6 +162,7 @@ class RunLifecycle:
             seed_everything(seed * 1_000_003 + st.step * 7919 + self.ctx.rank)
             st.augment.manual_seed(seed * 1000 + self.dp_rank + st.step * 7919)
         self._last_saved = st.step
+        self.resumed_path = str(loaded.path)
         self.log.info(
             "resumed from %s (step %d, saved with world size %s, strategy %s)",
             loaded.path,
@@ -233,4 +236,6 @@ class RunLifecycle:
         self.ckpt.close()
         if self.stopped_by is not None:
             path = str(self.ckpt.root / step_dir_name(st.step))
+        if path is None and steps_run == 0:  # nothing trained: the checkpoint resumed from is still the run's
+            path = self.resumed_path
         return path

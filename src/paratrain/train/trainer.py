@@ -525,6 +525,7 @@ class Trainer:
             "global_batch_size": t.batch_size,
             "grad_accum": t.grad_accum,
             "precision": t.precision,
+            "comm_algorithm": self.cfg.strategy.comm_algorithm,
             "train_time_s": train_time,
             "run_dir": str(self.run_dir),
             "checkpoint": ckpt_path,
