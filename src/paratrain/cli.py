@@ -332,14 +332,6 @@ def _command_of(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag or value is two lines (the error, and where the help is), not the whole
-    usage of ``train``'s hundred flags."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
-
-
 def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with full arguments for the command named in ``argv`` only (every command when ``argv``
     is ``None``); the others are listed with their help line."""
@@ -364,7 +356,8 @@ def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors are also one JSON object on stdout when ``--json`` was given
+    """argparse's parser, whose usage errors are two lines (the error, and where the help is) instead of the
+    whole usage of ``train``'s hundred flags, and also one JSON object on stdout when ``--json`` was given
     (``json_errors``, set by :func:`main`): a script reading the last line as JSON sees the refusal."""
 
     json_errors = False
@@ -372,7 +365,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if _Parser.json_errors:
             _print_json_refusal(f"{self.prog}: error: {message}")
-        super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
 
 
 def _print_json_refusal(message: str) -> None:
