@@ -174,7 +174,7 @@ def generate(
         raise ConfigError(
             f"checkpoint {step_dir} does not match {cfg.model.name}: missing {missing}, unexpected {unexpected}"
         )
-    out = _sample(model, tok, prompt, max_new_tokens, temperature, top_k, seed)
+    out = _sample(model, tok, prompt, max_new_tokens, temperature, top_k, seed, kv_cache)
     return {"checkpoint": str(step_dir), "step": state.get("step"), "model": cfg.model.name, **out}
 
 
@@ -202,8 +202,10 @@ def _sample(
     temperature: float,
     top_k: int | None,
     seed: int,
+    kv_cache: bool = True,
 ) -> dict[str, Any]:
-    """The sampling loop (module docstring); an hf model's prompt starts with its BOS and it stops at EOS."""
+    """The sampling loop (module docstring); an hf model's prompt starts with its BOS and it stops at EOS. A
+    paratrain Llama decodes with a KV cache (``kv_cache``); other models recompute the context per token."""
     model.eval()
     set_threads(sum(p.numel() for p in model.parameters()))
     bos, eos = getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)
