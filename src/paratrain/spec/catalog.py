@@ -36,6 +36,7 @@ DATASETS: dict[str, str] = {
     "cifar10": "CIFAR-10 from its binary batches: cifar10:DIR",
     "python-stdlib": "this interpreter's standard-library sources as text (language models)",
     "text": "any local text file or directory: text:PATH (language models)",
+    "jsonl": "JSON lines of text or prompt/completion pairs: jsonl:PATH (language-model fine-tuning)",
 }
 
 
