@@ -47,7 +47,7 @@ def test_doctor_on_this_machine_is_healthy_and_measures_every_rank() -> None:
     assert {c["status"] for c in out["checks"]} <= {"ok", "warning"}
     checks = by_name(out)
     expected = ["versions", "backends", "gpus", "LOCAL_RANK", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
-                "NCCL_IB_DISABLE", "MASTER_ADDR", "MASTER_PORT", "/dev/shm", "open files", "free port",
+                "NCCL_IB_DISABLE", "MASTER_ADDR", "MASTER_PORT", "/dev/shm", "open files", "ptrace_scope", "free port",
                 "hostname", "selftest collectives", "selftest busbw"]  # fmt: skip
     assert [c["name"] for c in out["checks"]] == expected
     assert "torch " in checks["versions"]["detail"] and "python " in checks["versions"]["detail"]
