@@ -21,6 +21,7 @@ from paratrain.models import build_model
 
 BASE = [
     "train.log_every=1",
+    "train.eval_batches=0",  # the whole test split: the references evaluate all of it
     "checkpoint.save_at_end=false",
     "train.progress=false",
     "train.epochs=none",
