@@ -790,3 +790,31 @@ def test_a_plan_that_does_not_fit_names_the_peer_default_that_would() -> None:
     fits = _plan_json("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "8",
                       "--activation-checkpointing", "selective")["plans"][0]  # fmt: skip
     assert fits["fits"] and fits["advice"] == []
+
+
+def test_dense_presets_plan_by_arithmetic_without_torch() -> None:
+    """A dense Llama preset is planned from its shape: the same plan as its meta build, and `paratrain plan`
+    does not import torch for it (4-5 s of CPU otherwise)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from paratrain.models.llama import Llama
+    from paratrain.plan.model import shape_from_config
+    from paratrain.spec.llama import PRESETS
+
+    for name in ("llama-debug", "llama-small"):
+        shape = shape_from_config(PRESETS[name])
+        with torch.device("meta"):
+            built = spec_from_module(Llama(PRESETS[name]), name, shape=shape)
+        assert shape is not None
+        for strategy, tp in (("fsdp", None), ("fsdp+tp", 2)):
+            w = Workload(precision="bf16", activation_checkpointing="selective")
+            assert plan(built, h100(8), w, strategy, tp=tp) == plan(
+                spec_from_shape(shape, name), h100(8), w, strategy, tp=tp
+            )
+    code = ("import sys; from paratrain.cli import main; main(['plan', '--model', 'llama-small', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -161,137 +161,203 @@ def _accumulation(
     return psi * grad_bytes, later
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """One pipeline stage of a layout: its index, layer groups and parameters on this rank."""
+
+    index: int
+    groups: list[ParamGroup]
+    first: bool
+    last: bool
+    root: ParamGroup
+    psi: float
+
+
+def _stage_of(spec: ModelSpec, t: int, i: int, groups: list[ParamGroup], first: bool, last: bool) -> _Stage:
+    root = (spec.first if first else ParamGroup()) + (spec.last if last else ParamGroup())
+    psi = sum(g.per_rank(t) for g in groups) + root.per_rank(t)
+    return _Stage(i, groups, first, last, root, psi)
+
+
+def _transformer_activations(
+    spec: ModelSpec, st: _Stage, batch: _Batch, layout: Layout, w: Workload, d: mem.Dtypes
+) -> tuple[float, float, dict[str, Any]]:
+    """``(Korthikanti's reference, the activations the peak uses, the StepShape fields of the layers)`` of a
+    transformer stage: paratrain's own Llama op by op (plan/implementation.py), Korthikanti's figure otherwise."""
+    assert spec.shape is not None
+    sh, s_, b_, t = spec.shape, batch.seq_len, batch.size, layout.tp
+    ac = str(w.activation_checkpointing)
+    mode, every = act.checkpoint_policy(ac)
+    sp = w.sequence_parallel and t > 1
+    lp = w.loss_parallel and t > 1
+    layers = len(st.groups)
+    micro = act.in_flight(w.pp_schedule, batch.micro, layout.pp, st.index)
+    reference = act.stage(
+        sh, layers=layers, first=st.first, last=st.last, s=s_, b=b_, t=t, sp=sp, attention=w.attention,
+        act_bytes=d.activation, checkpointing=ac, micro=micro,
+    )  # fmt: skip
+    if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
+        activations = impl.stage(
+            sh, layers=layers, first=st.first, last=st.last, s=s_, b=b_, t=t, sp=sp, loss_parallel=lp,
+            attention=w.attention, act_bytes=d.activation, checkpointing=ac, micro=micro,
+        )  # fmt: skip
+        per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+        selective = impl.layer_selective(sh, s_, b_, t, sp, d.activation)
+        loss_grad = impl.loss_grad(sh, s_, b_, t, lp) if st.last else 0.0
+        before = micro * impl.first_extra(sh, s_, b_) if st.first else 0.0
+        released = impl.last_extra(sh, s_, b_, t, sp, lp, d.activation) if st.last else 0.0
+    else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
+        activations = reference
+        per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
+        selective = act.llama_layer_selective(sh, s_, b_, t, sp, d.activation)
+        loss_grad = before = 0.0
+        released = act.last_extra(sh, s_, b_, t, sp, d.activation) if st.last else 0.0
+    inp = s_ * b_ * sh.dim * d.activation / (t if sp else 1)
+    working = act.kept_layers(mode, every, layers, per_layer, inp, selective)[1]
+    activations -= working  # live only while a layer recomputes: its own moment (plan/peak.py)
+    kept = [act.kept_layers(mode, every, 1, per_layer, inp, selective)[0]] * layers
+    if mode == "every":  # the N-th, 2N-th, ... layers of the stage are checkpointed
+        kept = [inp if (j + 1) % every == 0 else per_layer for j in range(layers)]
+    shape_kw = {"unit_activations": tuple(micro * k for k in kept), "before_units": before,
+                "unit_input_grad": inp, "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64,
+                "recompute_working": working, "released_before_recompute": micro * released}  # fmt: skip
+    return reference, activations, shape_kw
+
+
+def _stage_peak(
+    spec: ModelSpec,
+    sharding: str,
+    layout: Layout,
+    w: Workload,
+    cluster: Cluster,
+    batch: _Batch,
+    d: mem.Dtypes,
+    st: _Stage,
+    states: mem.States,
+) -> tuple[pk.Peak, float, float]:
+    """``(the stage's peak moment, its activations, Korthikanti's reference)`` (plan/peak.py)."""  # fmt: skip
+    t, n = layout.tp, layout.dp_shard
+    if spec.states_only:
+        moment = pk.Peak("model states only", {"params": states.params, "grads": states.grads,
+                                               "optimizer": states.optimizer})  # fmt: skip
+        return moment, 0.0, 0.0
+    reference = activations = 0.0
+    shape_kw: dict[str, Any] = {}
+    if spec.shape is not None:
+        reference, activations, shape_kw = _transformer_activations(spec, st, batch, layout, w, d)
+    elif spec.profile is not None:
+        mode = act.checkpoint_policy(str(w.activation_checkpointing))[0]
+        reference = activations = act.module(spec.profile, batch.size, d.activation, mode != "none")
+        prof, scale = spec.profile, batch.size * d.activation / 4
+        shape_kw = {"unit_activations": tuple(x * scale for x in prof.blocks_saved),
+                    "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
+                    "batch": prof.batch * batch.size}  # fmt: skip
+    largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
+    psi = st.psi
+    acc = _accumulation(psi, d.compute if sharding == "full" else d.grad, activations, batch, layout,
+                        w.pp_schedule, st.index)  # fmt: skip
+    moment = pk.peak(pk.StepShape(
+        states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
+        dp=layout.dp, d=d, units=tuple(g.per_rank(t) for g in st.groups), root=st.root.per_rank(t),
+        largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
+        bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
+        cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
+        accumulated_grads=acc[0], later_activations=acc[1],
+        later_unsharded_params=psi * d.compute if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
+        **shape_kw,
+    ))  # fmt: skip
+    return moment, activations, reference
+
+
+def _stage_time(
+    spec: ModelSpec,
+    sharding: str,
+    layout: Layout,
+    w: Workload,
+    cluster: Cluster,
+    batch: _Batch,
+    d: mem.Dtypes,
+    st: _Stage,
+) -> tuple[float, dict[str, Any]]:
+    """``(the stage's step time, its communication bytes and time breakdown)`` (plan/comm.py, plan/time.py)."""  # fmt: skip
+    t = layout.tp
+    mode, every = act.checkpoint_policy(str(w.activation_checkpointing))
+    sp = w.sequence_parallel and t > 1
+    layers = len(st.groups)
+    hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
+    ops = step_ops(
+        layout=layout, sharding=sharding, psi=st.psi, grad_bytes=d.compute if sharding == "full" else d.grad,
+        param_bytes=d.param, compute_bytes=d.compute, units=layers + 1,
+        bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=layers,
+        passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=st.first,
+        last=st.last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,
+    )  # fmt: skip
+    redo = recompute_fraction(spec, mode, every)
+    samples = batch.global_batch / layout.dp
+    flops = stage_flops_per_sample(spec, batch.seq_len, layers, st.last, redo) * samples / t
+    rate = cluster.gpu_flops * cluster.efficiency
+    time_ = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
+                      micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
+    comm: dict[str, int] = {}
+    for op in ops:
+        comm[op.key] = comm.get(op.key, 0) + round(op.sent)
+    comm["total"] = sum(comm.values())
+    return time_.total, {"comm_bytes_per_rank_per_step": comm, "time_s": time_.to_dict()}
+
+
+def _memory_row(st: _Stage, states: mem.States, moment: pk.Peak, activations: float, reference: float,
+                cluster: Cluster) -> dict[str, Any]:  # fmt: skip
+    """The bytes part of a stage's plan: states, activations, buffers, the peak and its moment."""
+    counted = ("params", "grads", "optimizer", "activations")
+    buffers = sum(v for k, v in moment.terms.items() if k not in counted)
+    peak = moment.total
+    return {
+        "stage": st.index,
+        "bytes_per_rank": {
+            "params": round(states.params), "grads": round(states.grads),
+            "optimizer": round(states.optimizer), "activations": round(activations),
+            "buffers": round(buffers), "peak": round(peak),
+            "peak_reserved": round(peak * (1.0 if cluster.on_cpu else RESERVED_OVER_ALLOCATED)),
+        },
+        "model_state_bytes_per_rank": round(states.total),
+        "fits": peak <= cluster.gpu_mem_bytes,
+        "peak_moment": {"phase": moment.phase, "terms": {k: round(v) for k, v in moment.terms.items()}},
+        "activations_korthikanti": round(reference),
+    }  # fmt: skip
+
+
 def evaluate(
     spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
 ) -> dict[str, Any]:
-    """One plan (the JSON contract's ``plans`` item) for a validated layout."""
+    """One plan (the JSON contract's ``plans`` item) for a validated layout: the bytes of the stage with the
+    highest peak, the time of the slowest stage."""
     batch = _batch(spec, layout, w, cluster.gpus)
     d = mem.dtypes(w.precision, w.optimizer, w.momentum)
-    t, n, ac = layout.tp, layout.dp_shard, str(w.activation_checkpointing)
-    mode, every = act.checkpoint_policy(ac)
-    sp = w.sequence_parallel and t > 1
-    rate = cluster.gpu_flops * cluster.efficiency
-    samples = batch.global_batch / layout.dp
     best: dict[str, Any] | None = None
     slowest: tuple[float, dict[str, Any]] | None = None
     for i, groups, first, last in stages(spec, layout.pp):
-        root = (spec.first if first else ParamGroup()) + (spec.last if last else ParamGroup())
-        psi = sum(g.per_rank(t) for g in groups) + root.per_rank(t)
-        states = mem.model_states(psi, n, sharding, d)
-        hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
-        reference = activations = 0.0
-        shape_kw: dict[str, Any] = {}
-        if spec.states_only:
-            moment = pk.Peak("model states only", {"params": states.params, "grads": states.grads,
-                                                   "optimizer": states.optimizer})  # fmt: skip
-        else:
-            micro = act.in_flight(w.pp_schedule, batch.micro, layout.pp, i)
-            if spec.shape is not None:
-                sh, s_, b_ = spec.shape, batch.seq_len, batch.size
-                reference = act.stage(
-                    sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp, attention=w.attention,
-                    act_bytes=d.activation, checkpointing=ac, micro=micro,
-                )  # fmt: skip
-                if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
-                    activations = impl.stage(
-                        sh, layers=len(groups), first=first, last=last, s=s_, b=b_, t=t, sp=sp,
-                        loss_parallel=w.loss_parallel and t > 1, attention=w.attention, act_bytes=d.activation,
-                        checkpointing=ac, micro=micro,
-                    )  # fmt: skip
-                    per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
-                    selective = impl.layer_selective(sh, s_, b_, t, sp, d.activation)
-                    loss_grad = impl.loss_grad(sh, s_, b_, t, w.loss_parallel and t > 1) if last else 0.0
-                    before = micro * impl.first_extra(sh, s_, b_) if first else 0.0
-                else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
-                    activations = reference
-                    per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
-                    selective = act.llama_layer_selective(sh, s_, b_, t, sp, d.activation)
-                    loss_grad = before = 0.0
-                inp = s_ * b_ * sh.dim * d.activation / (t if sp else 1)
-                working = act.kept_layers(mode, every, len(groups), per_layer, inp, selective)[1]
-                activations -= working  # live only while a layer recomputes: its own moment (plan/peak.py)
-                released = 0.0
-                if last:
-                    released = (impl.last_extra(sh, s_, b_, t, sp, w.loss_parallel and t > 1, d.activation)
-                                if sh.arch == "llama" else act.last_extra(sh, s_, b_, t, sp, d.activation))  # fmt: skip
-                kept = [act.kept_layers(mode, every, 1, per_layer, inp, selective)[0]] * len(groups)
-                if mode == "every":  # the N-th, 2N-th, ... layers of the stage are checkpointed
-                    kept = [inp if (j + 1) % every == 0 else per_layer for j in range(len(groups))]
-                shape_kw = {"unit_activations": tuple(micro * k for k in kept), "before_units": before,
-                            "unit_input_grad": s_ * b_ * sh.dim * d.activation / (t if sp else 1),
-                            "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64,
-                            "recompute_working": working, "released_before_recompute": micro * released}  # fmt: skip
-            elif spec.profile is not None:
-                reference = activations = act.module(spec.profile, batch.size, d.activation, mode != "none")
-                prof, scale = spec.profile, batch.size * d.activation / 4
-                shape_kw = {"unit_activations": tuple(x * scale for x in prof.blocks_saved),
-                            "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
-                            "batch": prof.batch * batch.size}  # fmt: skip
-            largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
-            acc = _accumulation(psi, d.compute if sharding == "full" else d.grad, activations, batch, layout,
-                                w.pp_schedule, i)  # fmt: skip
-            moment = pk.peak(pk.StepShape(
-                states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
-                dp=layout.dp, d=d, units=tuple(g.per_rank(t) for g in groups), root=root.per_rank(t),
-                largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
-                bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
-                cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
-                accumulated_grads=acc[0], later_activations=acc[1],
-                later_unsharded_params=psi * d.compute if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
-                **shape_kw,
-            ))  # fmt: skip
-        counted = ("params", "grads", "optimizer", "activations")
-        buffers = sum(v for k, v in moment.terms.items() if k not in counted)
-        peak = moment.total
-        ops = step_ops(
-            layout=layout, sharding=sharding, psi=psi, grad_bytes=d.compute if sharding == "full" else d.grad,
-            param_bytes=d.param, compute_bytes=d.compute, units=len(groups) + 1,
-            bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=len(groups),
-            passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=first,
-            last=last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,
-        )  # fmt: skip
-        redo = recompute_fraction(spec, mode, every)
-        flops = stage_flops_per_sample(spec, batch.seq_len, len(groups), last, redo) * samples / t
-        st = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
-                       micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
-        comm: dict[str, int] = {}
-        for op in ops:
-            comm[op.key] = comm.get(op.key, 0) + round(op.sent)
-        comm["total"] = sum(comm.values())
-        row = {
-            "stage": i,
-            "bytes_per_rank": {
-                "params": round(states.params), "grads": round(states.grads),
-                "optimizer": round(states.optimizer), "activations": round(activations),
-                "buffers": round(buffers), "peak": round(peak),
-                "peak_reserved": round(peak * (1.0 if cluster.on_cpu else RESERVED_OVER_ALLOCATED)),
-            },
-            "model_state_bytes_per_rank": round(states.total),
-            "fits": peak <= cluster.gpu_mem_bytes,
-            "peak_moment": {"phase": moment.phase, "terms": {k: round(v) for k, v in moment.terms.items()}},
-            "activations_korthikanti": round(reference),
-        }  # fmt: skip
-        if best is None or peak > best["bytes_per_rank"]["peak"]:
+        st = _stage_of(spec, layout.tp, i, groups, first, last)
+        states = mem.model_states(st.psi, layout.dp_shard, sharding, d)
+        moment, activations, reference = _stage_peak(spec, sharding, layout, w, cluster, batch, d, st, states)
+        row = _memory_row(st, states, moment, activations, reference, cluster)
+        if best is None or row["bytes_per_rank"]["peak"] > best["bytes_per_rank"]["peak"]:
             best = row
-        if slowest is None or st.total > slowest[0]:
-            slowest = (st.total, {"comm_bytes_per_rank_per_step": comm, "time_s": st.to_dict()})
+        total, timing = _stage_time(spec, sharding, layout, w, cluster, batch, d, st)
+        if slowest is None or total > slowest[0]:
+            slowest = (total, timing)
     assert best is not None and slowest is not None
     step = slowest[0]
     useful = model_flops_per_sample(spec, batch.seq_len) * batch.global_batch
     return {
         "strategy": strategy,
         "layout": layout.to_dict(),
-        "activation_checkpointing": ac,
+        "activation_checkpointing": str(w.activation_checkpointing),
         "pp_schedule": w.pp_schedule if layout.pp > 1 else None,
-        "bytes_per_rank": best["bytes_per_rank"],
-        "model_state_bytes_per_rank": best["model_state_bytes_per_rank"],
-        "fits": best["fits"],
-        "peak_moment": best["peak_moment"],
-        "activations_korthikanti": best["activations_korthikanti"],
-        "comm_bytes_per_rank_per_step": slowest[1]["comm_bytes_per_rank_per_step"],
+        **{k: best[k] for k in ("bytes_per_rank", "model_state_bytes_per_rank", "fits", "peak_moment",
+                                "activations_korthikanti")},
+        **slowest[1],
         "step_time_s": step,
         "mfu": useful / (step * cluster.gpus * cluster.gpu_flops) if step > 0 else None,
-        "time_s": slowest[1]["time_s"],
         "stage": best["stage"],
         "global_batch_size": batch.global_batch,
         "micro_batch_size": batch.size,
@@ -299,7 +365,7 @@ def evaluate(
         "grad_accum": batch.accum,
         "seq_len": batch.seq_len,
         "reason": "",
-    }
+    }  # fmt: skip
 
 
 def header(spec: ModelSpec, cluster: Cluster, w: Workload) -> dict[str, Any]:

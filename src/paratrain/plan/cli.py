@@ -242,7 +242,7 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
     hf_path = hf_config_path(req.cfg.model.name)  # hf:DIR or a config.json: the shape from the JSON alone
     if hf_path is not None:
         return spec_from_shape(shape_from_hf_config(hf_path), req.cfg.model.name)
-    from paratrain.spec.llama import PRESETS, SHAPE_ONLY_PRESETS
+    from paratrain.spec.llama import PRESETS
 
     name = req.cfg.model.name
     if builder is None and name in PRESETS:
@@ -253,9 +253,7 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
                 f"planning the mixture-of-experts model {name!r} counts its experts on a meta build, which needs "
                 "torch. Install torch, or plan a dense shape."
             )
-        if moe is None and (
-            name in SHAPE_ONLY_PRESETS or not _torch_available()
-        ):  # by arithmetic: a 405B meta build takes ~20 s
+        if moe is None:  # a dense preset by arithmetic, no torch: the same spec as its meta build
             return replace(spec_from_shape(shape_from_config(config), name), moe=moe_from_config(config))  # type: ignore[arg-type]
         import torch
 

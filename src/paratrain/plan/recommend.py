@@ -94,6 +94,87 @@ def _label(name: str, layout: Layout, ac: str | bool, schedule: str | None = Non
     return f"{name} ({degrees}{f', {schedule}' if schedule else ''}{'' if ac == 'none' else f', AC {ac}'})"
 
 
+def _rejection(name: str, layout: Layout, ac: str, needs: float, reason: str) -> dict[str, Any]:
+    return {"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac, "needs": needs,
+            "reason": reason}  # fmt: skip
+
+
+def _best_of_layout(
+    spec: ModelSpec,
+    cluster: Cluster,
+    w: Workload,
+    name: str,
+    sharding: str,
+    layout: Layout,
+    rejected: list[dict[str, Any]],
+) -> tuple[dict[str, Any] | None, int]:
+    """``(the fastest plan of one layout that fits or None, plans evaluated)``: checkpointing tried cheapest
+    first until one fits, then, for a pipeline, the other schedules at that checkpointing; what does not fit
+    is appended to ``rejected``."""  # fmt: skip
+    mem_cap = cluster.gpu_mem_bytes
+    best: dict[str, Any] | None = None
+    evaluated = 0
+    ws = replace(w, pp_schedule=SCHEDULES_TRIED[0]) if layout.pp > 1 else w
+    for ac in AC_TRIED if not spec.states_only else ("none",):
+        try:
+            p = evaluate(spec, name, sharding, layout, replace(ws, activation_checkpointing=ac), cluster)
+        except ConfigError as e:
+            rejected.append(_rejection(name, layout, ac, 0.0, f"{_label(name, layout, ac)}: {e}"))
+            break
+        evaluated += 1
+        if p["fits"]:
+            best = p
+            break
+        b = p["bytes_per_rank"]
+        states = b["params"] + b["grads"] + b["optimizer"]
+        p["reason"] = (
+            f"{_label(name, layout, ac)}: needs {_gb(b['peak'])} GB per GPU at peak (states {_gb(states)} + "
+            f"activations {_gb(b['activations'])} + buffers {_gb(b['buffers'])}), has {_gb(mem_cap)}"
+        )
+        if ac == AC_TRIED[-1] or spec.states_only:
+            rejected.append(_rejection(name, layout, ac, float(b["peak"]), p["reason"]))
+    if best is not None and layout.pp > 1:
+        # interleaving holds more activations than 1F1B: it can only fit where 1F1B does, so it is tried
+        # once, at the checkpointing 1F1B first fits with, and kept when it fits and is faster
+        for schedule in SCHEDULES_TRIED[1:]:
+            try:
+                p = evaluate(spec, name, sharding, layout, replace(ws, pp_schedule=schedule,
+                             activation_checkpointing=best["activation_checkpointing"]), cluster)  # fmt: skip
+            except ConfigError:
+                continue  # micro-batches that do not split into rounds of pp
+            evaluated += 1
+            if p["fits"] and p["step_time_s"] < best["step_time_s"]:
+                best = p
+    return best, evaluated
+
+
+def _rank(fitting: list[dict[str, Any]], mem_cap: float) -> None:
+    """Sort the fitting plans fastest first (near-ties, within 0.1%, to the lower peak: the most headroom)
+    and write each one's ``reason``."""
+    fitting.sort(key=lambda p: (float(f"{p['step_time_s']:.3g}"), p["bytes_per_rank"]["peak"]))
+    for rank, p in enumerate(fitting):
+        label = _label(
+            p["strategy"], Layout.of(**p["layout"]), p["activation_checkpointing"], p.get("pp_schedule")
+        )
+        head = "fastest" if rank == 0 else f"{p['step_time_s'] / fitting[0]['step_time_s']:.2f}x the fastest"
+        exposed = p["time_s"]["exposed_comm"] + p["time_s"]["bubble"]
+        p["reason"] = (
+            f"{label}: {head}; step {p['step_time_s']:.3g} s (compute {p['time_s']['compute']:.3g} s, bubble + "
+            f"exposed comm {exposed:.3g} s), MFU {100 * (p['mfu'] or 0):.0f}%, peak {_gb(p['bytes_per_rank']['peak'])} "
+            f"of {_gb(mem_cap)} GB"
+        )
+
+
+def _shown_rejections(rejected: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+    """The pure data-parallel rejections always, then the others that came closest, up to ``top``."""
+    dp_names = set(lay.DATA_PARALLEL)
+    shown = [r for r in rejected if r["strategy"] in dp_names and r["layout"]["tp"] == r["layout"]["pp"] == 1]
+    others = sorted((r for r in rejected if r not in shown), key=lambda r: r["needs"])[
+        : max(0, top - len(shown))
+    ]
+    return [{k: v for k, v in r.items() if k != "needs"} for r in shown + others]
+
+
 def recommend(
     spec: ModelSpec, cluster: Cluster, workload: Workload | None = None, top: int = 5
 ) -> dict[str, Any]:
@@ -112,44 +193,11 @@ def recommend(
             continue
         floor = _states_floor(spec, sharding, layout, w)
         if floor > mem_cap:
-            rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": "none",
-                             "needs": floor, "reason": f"{_label(name, layout, 'none')}: needs {_gb(floor)} GB per "
-                             f"GPU for model states alone, has {_gb(mem_cap)}"})  # fmt: skip
+            rejected.append(_rejection(name, layout, "none", floor, f"{_label(name, layout, 'none')}: needs "
+                                       f"{_gb(floor)} GB per GPU for model states alone, has {_gb(mem_cap)}"))  # fmt: skip
             continue
-        best: dict[str, Any] | None = None
-        ws = replace(w, pp_schedule=SCHEDULES_TRIED[0]) if layout.pp > 1 else w
-        for ac in AC_TRIED if not spec.states_only else ("none",):
-            try:
-                p = evaluate(spec, name, sharding, layout, replace(ws, activation_checkpointing=ac), cluster)
-            except ConfigError as e:
-                rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
-                                 "needs": 0.0, "reason": f"{_label(name, layout, ac)}: {e}"})  # fmt: skip
-                break
-            evaluated += 1
-            if p["fits"]:
-                best = p
-                break
-            b = p["bytes_per_rank"]
-            states = b["params"] + b["grads"] + b["optimizer"]
-            p["reason"] = (
-                f"{_label(name, layout, ac)}: needs {_gb(b['peak'])} GB per GPU at peak (states {_gb(states)} + "
-                f"activations {_gb(b['activations'])} + buffers {_gb(b['buffers'])}), has {_gb(mem_cap)}"
-            )
-            if ac == AC_TRIED[-1] or spec.states_only:
-                rejected.append({"strategy": name, "layout": layout.to_dict(), "activation_checkpointing": ac,
-                                 "needs": float(b["peak"]), "reason": p["reason"]})  # fmt: skip
-        if best is not None and layout.pp > 1:
-            # interleaving holds more activations than 1F1B: it can only fit where 1F1B does, so it is tried
-            # once, at the checkpointing 1F1B first fits with, and kept when it fits and is faster
-            for schedule in SCHEDULES_TRIED[1:]:
-                try:
-                    p = evaluate(spec, name, sharding, layout, replace(ws, pp_schedule=schedule,
-                                 activation_checkpointing=best["activation_checkpointing"]), cluster)  # fmt: skip
-                except ConfigError:
-                    continue  # micro-batches that do not split into rounds of pp
-                evaluated += 1
-                if p["fits"] and p["step_time_s"] < best["step_time_s"]:
-                    best = p
+        best, n = _best_of_layout(spec, cluster, w, name, sharding, layout, rejected)
+        evaluated += n
         if best is not None:
             fitting.append(best)
     for p in _expert_parallel(spec, cluster, w):  # an MoE model: ep and fsdp+ep at every degree that applies
@@ -162,27 +210,10 @@ def recommend(
                              "activation_checkpointing": p["activation_checkpointing"],
                              "reason": f"{p['strategy']} ep={p['layout']['ep']}: needs {_gb(b['peak'])} GB per GPU "
                              f"at peak, has {_gb(mem_cap)}"})  # fmt: skip
-    # fastest first; near-ties (within 0.1%) go to the layout with the lower peak, i.e. the most headroom
-    fitting.sort(key=lambda p: (float(f"{p['step_time_s']:.3g}"), p["bytes_per_rank"]["peak"]))
-    for rank, p in enumerate(fitting):
-        label = _label(
-            p["strategy"], Layout.of(**p["layout"]), p["activation_checkpointing"], p.get("pp_schedule")
-        )
-        head = "fastest" if rank == 0 else f"{p['step_time_s'] / fitting[0]['step_time_s']:.2f}x the fastest"
-        exposed = p["time_s"]["exposed_comm"] + p["time_s"]["bubble"]
-        p["reason"] = (
-            f"{label}: {head}; step {p['step_time_s']:.3g} s (compute {p['time_s']['compute']:.3g} s, bubble + "
-            f"exposed comm {exposed:.3g} s), MFU {100 * (p['mfu'] or 0):.0f}%, peak {_gb(p['bytes_per_rank']['peak'])} "
-            f"of {_gb(mem_cap)} GB"
-        )
-    dp_names = set(lay.DATA_PARALLEL)
-    shown = [r for r in rejected if r["strategy"] in dp_names and r["layout"]["tp"] == r["layout"]["pp"] == 1]
-    others = sorted((r for r in rejected if r not in shown), key=lambda r: r["needs"])[
-        : max(0, top - len(shown))
-    ]
+    _rank(fitting, mem_cap)
     out = header(spec, cluster, w)
-    out.update(plans=fitting[:top], rejected=[{k: v for k, v in r.items() if k != "needs"} for r in shown + others],
-               evaluated=evaluated, fitting=len(fitting))  # fmt: skip
+    out.update(plans=fitting[:top], rejected=_shown_rejections(rejected, top), evaluated=evaluated,
+               fitting=len(fitting))  # fmt: skip
     return out
 
 
