@@ -433,7 +433,7 @@ def test_paratrain_llama_layer_by_hand() -> None:
         impl.last_extra(DEBUG, s, b, t=2, sp=True) == 4 * (2 * sbh + sb) / 2 + 4 * sbh + 4 * sb * 256 + 8 * sb
     )
     assert impl.loss_grad(DEBUG, s, b) == 2 * 4 * sb * 256
-    assert impl.loss_grad(DEBUG, s, b, t=2, loss_parallel=True) == 4 * sb * 256
+    assert impl.loss_grad(DEBUG, s, b, t=2, loss_parallel=True) == 3 * 4 * sb * 256 / 2
 
 
 def test_paratrain_llama_formula_equals_what_autograd_saves() -> None:
@@ -818,3 +818,23 @@ def test_dense_presets_plan_by_arithmetic_without_torch() -> None:
             "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_reduce_fp32_and_a_later_micro_batch_recomputing() -> None:
+    """--reduce-fp32 (torchtitan's FSDP reduce dtype) holds a pipeline stage's accumulated unsharded gradients
+    in fp32 and reduce-scatters in fp32; with checkpointing, a later micro-batch's recomputation happens with
+    those gradients live (the moment that sets the 405B pipeline's peak)."""
+    spec = spec_from_shape(FALLBACK_SHAPES["llama2-70b"], "llama2-70b")
+    w = Workload(
+        precision="bf16", activation_checkpointing="full", batch_size=64, seq_len=4096, microbatches=8
+    )
+    bf16, fp32 = (
+        plan(spec, h100(64), replace(w, reduce_fp32=r), "fsdp+pp", pp=8)["plans"][0] for r in (False, True)
+    )
+    assert fp32["peak_moment"]["phase"] == "a later micro-batch's checkpointed layer recomputes"
+    terms16, terms32 = bf16["peak_moment"]["terms"], fp32["peak_moment"]["terms"]
+    assert terms32["accumulated grads"] == 2 * terms16["accumulated grads"] > 0
+    assert terms32["recomputed layer"] > 0 and terms32["unsharded params (pipeline FSDP stage)"] > 0
+    rs16, rs32 = (sum(v for k, v in p["comm_bytes_per_rank_per_step"].items() if "reduce_scatter" in k)
+                  for p in (bf16, fp32))  # fmt: skip
+    assert rs32 == pytest.approx(2 * rs16, rel=1e-6) and rs16 > 0

@@ -74,6 +74,11 @@ class Workload:
     """TP: keep the logits vocabulary-sharded through the loss (``--set strategy.loss_parallel=true`` in train);
     off, paratrain's output layer gathers them to the full vocabulary on every TP rank."""
     pp_schedule: str = "1f1b"
+    reduce_fp32: bool = False
+    """FSDP under 16-bit compute: reduce-scatter the gradients, and accumulate them unsharded between
+    micro-batches, in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``, torchtitan's
+    ``mixed_precision_reduce`` default; FSDP2 upcasts the accumulated gradient to the reduce dtype). paratrain's
+    own FSDP reduces in the compute dtype (``--reduce-fp32`` off)."""
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
 
@@ -137,6 +142,14 @@ def stages(spec: ModelSpec, pp: int) -> list[tuple[int, list[ParamGroup], bool, 
     starts = [sum(counts[:i]) for i in range(pp)]
     pick = sorted({0, pp - 1, counts.index(max(counts))})
     return [(i, list(spec.layers[starts[i] : starts[i] + counts[i]]), i == 0, i == pp - 1) for i in pick]
+
+
+def _reduced_grad_bytes(sharding: str, w: Workload, d: mem.Dtypes) -> int:
+    """Bytes per element of the gradients a step reduces and accumulates between micro-batches: FSDP's
+    unsharded gradients are in the compute dtype, or fp32 with ``reduce_fp32``; the others' are stored ones."""
+    if sharding != "full":
+        return d.grad
+    return 4 if w.reduce_fp32 else d.compute
 
 
 def _accumulation(
@@ -220,7 +233,8 @@ def _transformer_activations(
         kept = [inp if (j + 1) % every == 0 else per_layer for j in range(layers)]
     shape_kw = {"unit_activations": tuple(micro * k for k in kept), "before_units": before,
                 "unit_input_grad": inp, "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64,
-                "recompute_working": working, "released_before_recompute": micro * released}  # fmt: skip
+                "recompute_working": working, "released_before_recompute": micro * released,
+                "later_released": released}  # fmt: skip
     return reference, activations, shape_kw
 
 
@@ -254,7 +268,7 @@ def _stage_peak(
                     "batch": prof.batch * batch.size}  # fmt: skip
     largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
     psi = st.psi
-    acc = _accumulation(psi, d.compute if sharding == "full" else d.grad, activations, batch, layout,
+    acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
     moment = pk.peak(pk.StepShape(
         states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
@@ -286,7 +300,7 @@ def _stage_time(
     layers = len(st.groups)
     hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
     ops = step_ops(
-        layout=layout, sharding=sharding, psi=st.psi, grad_bytes=d.compute if sharding == "full" else d.grad,
+        layout=layout, sharding=sharding, psi=st.psi, grad_bytes=_reduced_grad_bytes(sharding, w, d),
         param_bytes=d.param, compute_bytes=d.compute, units=layers + 1,
         bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=layers,
         passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=st.first,

@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa drops the a·s² term")
     m.add_argument("--fp16-mixed", action="store_true",
                    help="the ZeRO paper's mixed precision: fp16 params and grads + fp32 master, 2+2+12 bytes")  # fmt: skip
+    m.add_argument(
+        "--reduce-fp32",
+        action="store_true",
+        help="FSDP reduces and accumulates gradients in fp32 (torchtitan's mixed_precision_reduce "
+        "default); paratrain's own FSDP reduces in the 16-bit compute dtype",
+    )
     m.add_argument("--moe-overload", type=float, default=1.0,
                    help="MoE: routed rows on the busiest rank over the mean (activations; default 1)")  # fmt: skip
     c = p.add_argument_group("planner: cluster")
@@ -377,6 +383,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         offload=cfg.strategy.offload, attention=args.attention, sequence_parallel=cfg.strategy.sequence_parallel,
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
+        reduce_fp32=getattr(args, "reduce_fp32", False),
     )  # fmt: skip
 
 

@@ -34,8 +34,11 @@ and cross-entropy's log-softmax, sbV·F. paratrain's output layer gathers the lo
 unless ``strategy.loss_parallel`` is set, so this is ÷ t only with loss parallelism.
 
 **Backward starts** with two more logits-sized tensors live at once: ``nll_loss_backward``'s gradient of the
-log-probabilities and ``_log_softmax_backward_data``'s gradient of the logits, 2sbV·F (÷ t with loss
-parallelism): :func:`loss_grad`.
+log-probabilities and ``_log_softmax_backward_data``'s gradient of the logits, 2sbV·F: :func:`loss_grad`.
+Under loss parallelism torch's DTensor handler (``torch.distributed.tensor.parallel.loss``,
+``_nll_loss_and_log_softmax_backward``) fuses both into ``(grad_input + torch.exp(x)) * grad_output`` on the
+vocabulary shard: ``grad_input`` (a ``zeros_like`` of the log-probabilities), ``exp(x)`` and their sum are
+live at once, 3sbV·F/t.
 
 Checked exactly against a ``saved_tensors_hooks`` trace of the real module (``tests/unit/test_plan.py``):
 what is left is the rotary tables (buffers, max_seq_len·head_dim·4 bytes) that RoPE keeps a view of, and
@@ -83,8 +86,11 @@ def last_extra(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool =
 
 
 def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parallel: bool = False) -> float:
-    """Transient bytes when backward starts: the gradients of the log-probabilities and of the logits."""
-    return 2 * s * b * shape.vocab_size * F32 / (t if loss_parallel else 1)
+    """Transient bytes when backward starts: the gradients of the log-probabilities and of the logits (two
+    logits-sized fp32 tensors), three under loss parallelism (see the module docstring)."""
+    if loss_parallel:
+        return 3 * s * b * shape.vocab_size * F32 / t
+    return 2 * s * b * shape.vocab_size * F32
 
 
 def stage(shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,

@@ -17,6 +17,9 @@ the peak is the largest of them:
    w.r.t. its output; the loss's logits-sized tensors (the last stage's extras, the loss gradient) are freed by
    then. Measured (``tests/dist/test_selective_ac.py``): with a large vocabulary the loss's moment is higher,
    with a small one this.
+1c. **A later micro-batch's checkpointed layer recomputes**: moment 1b with the accumulated gradients
+   (and a pipeline FSDP stage's unsharded parameters) of moment 1's later case, which stay through every
+   micro-batch's backward.
 2. **FSDP: a unit's post-backward** (``_fsdp_param_group.post_backward``), for each unit u, last to first.
    FSDP2 first reshards u's parameters, then ``foreach_reduce`` copies u's unsharded gradients into a
    reduce-scatter input (P_u) and allocates the output (P_u/N). Gloo's ``reduce_scatter`` works on one
@@ -118,6 +121,8 @@ class StepShape:
     """Activation checkpointing: one layer's full activations, rebuilt when its backward recomputes it."""
     released_before_recompute: float = 0.0
     """Activations the loss's backward frees before the first layer recomputes (the last stage's extras)."""
+    later_released: float = 0.0
+    """One micro-batch's share of ``released_before_recompute`` (a later micro-batch's recomputation)."""
     later_activations: float = 0.0
     """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
@@ -198,6 +203,11 @@ def moments(s: StepShape) -> list[Peak]:
         if s.later_unsharded_params:
             later["unsharded params (pipeline FSDP stage)"] = s.later_unsharded_params
         out.append(Peak("a later micro-batch's backward starts", later))
+        if s.recompute_working:  # the accumulated gradients stay while that micro-batch's layers recompute
+            redo_later = {k: v for k, v in later.items() if k != "loss gradient"}
+            redo_later.update({"activations": max(0.0, s.later_activations - s.later_released),
+                               "recomputed layer": s.recompute_working, "input gradient": s.unit_input_grad})  # fmt: skip
+            out.append(Peak("a later micro-batch's checkpointed layer recomputes", redo_later))
     if s.sharding == "full" and n > 1:
         out += _fsdp_unit_moments(s, base)
     sharded_opt = s.sharding in ("optimizer", "grads") and n > 1
