@@ -42,10 +42,12 @@ TT_8B = ["--model", "llama3-8b", "--strategy", "fsdp", "--seq-len", "8192", "--a
          "selective", "--precision", "bf16", "--reduce-fp32", "--gpu-mem", "96GB"]  # fmt: skip
 TT_405B = ["--model", "llama3-405b", "--strategy", "fsdp+tp+pp", "--tp", "8", "--pp", "8", "--dp-shard", "8",
            "--gpus", "512", "--batch-size", "256", "--seq-len", "8192", "--activation-checkpointing", "full",
-           "--loss-parallel", "--precision", "bf16", "--reduce-fp32", "--gpu-mem", "96GB"]  # fmt: skip
+           "--loss-parallel", "--precision", "bf16", "--reduce-fp32", "--fp8-all-gather", "--gpu-mem", "96GB"]  # fmt: skip
 """torchtitan's settings of these runs (torchtitan at 9dec370, Dec 2024): FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``mixed_precision_reduce`` default, hence
-``--reduce-fp32``), loss parallelism with TP, ``reshard_after_forward=False`` under PP, and, when
+``--reduce-fp32``), loss parallelism with TP, Float8 linears with FSDP's float8 all-gather in the 405B
+configuration (``train_configs/llama3_405b.toml``: ``enable_fsdp_float8_all_gather = true``, hence
+``--fp8-all-gather``), ``reshard_after_forward=False`` under PP, and, when
 ``pipeline_parallel_microbatches`` is not given, as many micro-batches as pipeline stages
 (``build_pipeline_schedule``): 8 for 1F1B (local batch 32 in micro-batches of 4), 16 for interleaved 1F1B (2
 stages per rank by default, ``generate_split_points``; micro-batches of 2)."""
@@ -220,7 +222,9 @@ def main() -> None:
         json.dump(result, f, indent=1)
     print(table(result))
     for h in result["held_out"]:
-        print(f"held out: {h['row']}: efficiency {h['efficiency']} from {h['basis']} -> tokens/s ratio {h['ratio']:.2f}")
+        print(
+            f"held out: {h['row']}: efficiency {h['efficiency']} from {h['basis']} -> tokens/s ratio {h['ratio']:.2f}"
+        )
     for r in result["not_expressible"]:
         print(f"not expressible: {r['row']}: {r['why']}")
 

@@ -74,6 +74,11 @@ class Workload:
     """TP: keep the logits vocabulary-sharded through the loss (``--set strategy.loss_parallel=true`` in train);
     off, paratrain's output layer gathers them to the full vocabulary on every TP rank."""
     pp_schedule: str = "1f1b"
+    fp8_all_gather: bool = False
+    """FSDP all-gathers the layers' linear weights in float8 (torchao's ``Float8Linear`` with
+    ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8]`` setting): the unsharded weights (and the
+    all-gather messages) are 1 byte per element instead of the compute dtype's 2; the embedding and output
+    layer stay 16-bit. Time still uses the 16-bit peak (fp8 matmuls are not modelled)."""
     reduce_fp32: bool = False
     """FSDP under 16-bit compute: reduce-scatter the gradients, and accumulate them unsharded between
     micro-batches, in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``, torchtitan's
@@ -150,6 +155,31 @@ def _reduced_grad_bytes(sharding: str, w: Workload, d: mem.Dtypes) -> int:
     if sharding != "full":
         return d.grad
     return 4 if w.reduce_fp32 else d.compute
+
+
+def _gathered_bytes(spec: ModelSpec, st: _Stage, t: int, w: Workload, d: mem.Dtypes) -> tuple[float, float]:
+    """``(bytes per element of an all-gathered layer, of the stage's gathered parameters on average)``: the
+    compute dtype, or 1 for the layers' weights with ``--fp8-all-gather`` (the norms' few weights included)."""
+    if not w.fp8_all_gather:
+        return float(d.compute), float(d.compute)
+    unit, root = 1.0, st.root.per_rank(t)
+    return unit, ((st.psi - root) * unit + root * d.compute) / st.psi if st.psi else float(d.compute)
+
+
+def _pipeline_buffers(st: _Stage, layout: Layout, w: Workload, batch: _Batch, inp: float) -> float:
+    """Bytes of torch's ``PipelineStage`` receive buffers on this rank: one stage boundary tensor (``inp``, a
+    micro-batch's residual stream) per micro-batch for the activations of every local stage that is not the
+    first and for the gradients of every one that is not the last; the in-flight micro-batches' activation
+    buffers are the layer inputs the activations already count."""
+    p = layout.pp
+    if p == 1:
+        return 0.0
+    v = act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1
+    chunks = [st.index + k * p for k in range(v)]
+    not_first = sum(1 for c in chunks if c > 0)
+    not_last = sum(1 for c in chunks if c < v * p - 1)
+    in_flight = act.in_flight(w.pp_schedule, batch.micro, p, st.index)
+    return inp * (not_first * max(0.0, batch.micro - in_flight) + not_last * batch.micro)
 
 
 def _accumulation(
@@ -268,6 +298,11 @@ def _stage_peak(
                     "batch": prof.batch * batch.size}  # fmt: skip
     largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
     psi = st.psi
+    unit_bytes, gathered = _gathered_bytes(spec, st, t, w, d)
+    buffers = 0.0
+    if spec.shape is not None:
+        inp = batch.seq_len * batch.size * spec.shape.dim * d.activation
+        buffers = _pipeline_buffers(st, layout, w, batch, inp / (t if w.sequence_parallel and t > 1 else 1))
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
     moment = pk.peak(pk.StepShape(
@@ -277,7 +312,8 @@ def _stage_peak(
         bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
         cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
         accumulated_grads=acc[0], later_activations=acc[1],
-        later_unsharded_params=psi * d.compute if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
+        later_unsharded_params=psi * gathered if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
+        unit_param_bytes=unit_bytes, pipeline_buffers=buffers,
         **shape_kw,
     ))  # fmt: skip
     return moment, activations, reference
@@ -301,7 +337,7 @@ def _stage_time(
     hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
     ops = step_ops(
         layout=layout, sharding=sharding, psi=st.psi, grad_bytes=_reduced_grad_bytes(sharding, w, d),
-        param_bytes=d.param, compute_bytes=d.compute, units=layers + 1,
+        param_bytes=d.param, compute_bytes=_gathered_bytes(spec, st, t, w, d)[1], units=layers + 1,
         bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=layers,
         passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=st.first,
         last=st.last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,

@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="FSDP reduces and accumulates gradients in fp32 (torchtitan's mixed_precision_reduce "
         "default); paratrain's own FSDP reduces in the 16-bit compute dtype",
     )
+    m.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="FSDP gathers the layers' linear weights in float8 (torchao Float8Linear with "
+        "enable_fsdp_float8_all_gather, as torchtitan's Float8 runs): 1-byte unsharded weights",
+    )
     m.add_argument("--moe-overload", type=float, default=1.0,
                    help="MoE: routed rows on the busiest rank over the mean (activations; default 1)")  # fmt: skip
     c = p.add_argument_group("planner: cluster")
@@ -383,7 +389,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         offload=cfg.strategy.offload, attention=args.attention, sequence_parallel=cfg.strategy.sequence_parallel,
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
-        reduce_fp32=getattr(args, "reduce_fp32", False),
+        reduce_fp32=getattr(args, "reduce_fp32", False), fp8_all_gather=getattr(args, "fp8_all_gather", False),
     )  # fmt: skip
 
 

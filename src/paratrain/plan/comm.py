@@ -139,7 +139,7 @@ def step_ops(
     psi: float,
     grad_bytes: int,
     param_bytes: int,
-    compute_bytes: int,
+    compute_bytes: float,
     units: int,
     bucket_bytes: float,
     accum: int = 1,

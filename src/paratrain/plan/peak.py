@@ -121,6 +121,12 @@ class StepShape:
     """Activation checkpointing: one layer's full activations, rebuilt when its backward recomputes it."""
     released_before_recompute: float = 0.0
     """Activations the loss's backward frees before the first layer recomputes (the last stage's extras)."""
+    unit_param_bytes: float = 0.0
+    """Bytes per element of a unit's all-gathered (unsharded) parameters: 1 with ``--fp8-all-gather``
+    (torchao's Float8Linear weights gathered in float8), 0 for the compute dtype."""
+    pipeline_buffers: float = 0.0
+    """Pipeline stages: the receive buffers torch's ``PipelineStage`` allocates for every micro-batch when its
+    schedule starts and keeps (activations from the previous stage, gradients from the next)."""
     later_released: float = 0.0
     """One micro-batch's share of ``released_before_recompute`` (a later micro-batch's recomputation)."""
     later_activations: float = 0.0
@@ -141,6 +147,7 @@ def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
     """The highest of the units' post-backward moments (the others never set the peak; ``--recommend``
     evaluates hundreds of layouts of 80+ units, so the per-unit totals are scalars and one dict is built)."""
     c, g, n = s.d.compute, s.d.grad, s.n
+    pb = s.unit_param_bytes or c  # the all-gathered parameters (the unsharded gradients stay 16-bit)
     before = [0.0]  # before[u]: activations of the units ahead of u
     for a in s.unit_activations:
         before.append(before[-1] + a)
@@ -148,13 +155,13 @@ def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
     reduced, best_u, best_total, best_reduced = 0.0, -1, -1.0, 0.0  # reduced: shards of units after u
     for u in range(len(s.units) - 1, -1, -1):
         p_u = s.units[u]
-        own = max(p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (c + g))
+        own = max(p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (pb + g))
         total = (
             fixed
             + reduced
             + before[min(u, len(s.unit_activations))]
             + own
-            + (s.units[u - 1] * c if u else 0.0)
+            + (s.units[u - 1] * pb if u else 0.0)
         )
         if total > best_total:
             best_u, best_total, best_reduced = u, total, reduced
@@ -162,13 +169,13 @@ def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
     if best_u < 0:
         return []
     u, p_u = best_u, s.units[best_u]
-    reduce, compute = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (c + g)
+    reduce, compute = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (pb + g)
     terms = dict(base)
     terms["grads"] = best_reduced
     terms["activations"] = s.before_units + before[min(u, len(s.unit_activations))]
     terms["fsdp root (params + grads)"] = s.root * (c + g)
     terms[f"unit {u} {'reduce-scatter' if reduce >= compute else 'unsharded'}"] = max(reduce, compute)
-    terms["prefetched unit"] = s.units[u - 1] * c if u > 0 else 0.0
+    terms["prefetched unit"] = s.units[u - 1] * pb if u > 0 else 0.0
     terms["input gradient"] = s.unit_input_grad
     return [Peak(f"FSDP post-backward of unit {u}", terms)]
 
@@ -183,6 +190,8 @@ def moments(s: StepShape) -> list[Peak]:
     st, g, n = s.states, s.d.grad, s.n
     dev = 1.0 if s.on_device else 0.0
     base = {"params": st.params * dev, "optimizer": st.optimizer * dev}
+    if s.pipeline_buffers:
+        base["pipeline receive buffers"] = s.pipeline_buffers
     buckets = s.psi * g if s.sharding == "none" and s.dp > 1 and not s.gradient_as_bucket_view else 0.0
     start = {**base, "activations": s.activations, "loss gradient": s.loss_grad}
     if buckets:
