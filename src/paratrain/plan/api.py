@@ -19,25 +19,25 @@ highest peak) and ``reason`` (filled in by :func:`paratrain.plan.recommend.recom
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from paratrain.errors import ConfigError
-from paratrain.plan import activations as act
-from paratrain.plan import implementation as impl
 from paratrain.plan import layout as lay
 from paratrain.plan import memory as mem
 from paratrain.plan import peak as pk
-from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
-from paratrain.plan.model import ModelSpec, ParamGroup
-from paratrain.plan.time import (
-    model_flops_per_sample,
-    recompute_fraction,
-    stage_flops_per_sample,
-    step_time,
-    tp_rerun,
+from paratrain.plan.model import ModelSpec
+from paratrain.plan.stage import (
+    Stage,
+    Workload,
+    batch_of,
+    stage_of,
+    stage_peak,
+    stage_time,
+    stages,
 )
+from paratrain.plan.time import model_flops_per_sample
 from paratrain.spec.hardware import Cluster
 
 RESERVED_OVER_ALLOCATED = 1.12
@@ -47,315 +47,8 @@ zero3, whose all-gathers and frees fragment more): ``peak_reserved`` = allocated
 reserved (torchtitan's "Memory (GiB)" is ``torch.cuda.max_memory_reserved``); ``fits`` is decided on the
 allocated peak."""
 
-DEFAULT_BATCH = 64
-"""``paratrain train``'s default global batch; the planner rounds it up to a multiple of the GPUs."""
 
-
-@dataclass(frozen=True)
-class Workload:
-    """The batch and training settings (the flags ``paratrain train`` takes)."""
-
-    batch_size: int | None = None
-    """Global samples (sequences) per optimizer step; None: the smallest multiple of the GPUs >= 64."""
-    seq_len: int | None = None
-    """Tokens per sequence; None: the model's max_seq_len (1 for models that are not transformers)."""
-    grad_accum: int = 1
-    microbatches: int | None = None
-    """Pipeline micro-batches per accumulation step; None: one sample each (the smallest bubble)."""
-    activation_checkpointing: str | bool = "none"
-    """``none``, ``full``, ``selective`` (op-level) or ``selective:N`` (``true``/``false``: full/none)."""
-    optimizer: str = "adamw"
-    momentum: float = 0.9
-    precision: str = "fp32"
-    offload: bool = False
-    attention: str = "sdpa"
-    sequence_parallel: bool = True
-    loss_parallel: bool = False
-    """TP: keep the logits vocabulary-sharded through the loss (``--set strategy.loss_parallel=true`` in train);
-    off, paratrain's output layer gathers them to the full vocabulary on every TP rank."""
-    pp_schedule: str = "1f1b"
-    fp8_all_gather: bool = False
-    """FSDP all-gathers the layers' linear weights in float8 (torchao's ``Float8Linear`` with
-    ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8]`` setting): the unsharded weights (and the
-    all-gather messages) are 1 byte per element instead of the compute dtype's 2; the embedding and output
-    layer stay 16-bit. Time still uses the 16-bit peak (fp8 matmuls are not modelled)."""
-    reduce_fp32: bool = False
-    """FSDP under 16-bit compute: reduce-scatter the gradients, and accumulate them unsharded between
-    micro-batches, in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``, torchtitan's
-    ``mixed_precision_reduce`` default; FSDP2 upcasts the accumulated gradient to the reduce dtype). paratrain's
-    own FSDP reduces in the compute dtype (``--reduce-fp32`` off)."""
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-
-    def __post_init__(self) -> None:
-        mode, every = act.checkpoint_policy(self.activation_checkpointing)
-        object.__setattr__(
-            self, "activation_checkpointing", f"selective:{every}" if mode == "every" else mode
-        )
-        mem.dtypes(self.precision, self.optimizer, self.momentum)  # validates both
-        if self.attention not in act.ATTENTION:
-            raise ConfigError(f"attention {self.attention!r}: choose one of {', '.join(act.ATTENTION)}.")
-        if self.pp_schedule not in act.SCHEDULES:
-            raise ConfigError(
-                f"--pp-schedule {self.pp_schedule!r}: choose one of {', '.join(act.SCHEDULES)}."
-            )
-        for name in ("batch_size", "seq_len", "microbatches"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {v}.")
-        if self.grad_accum < 1:
-            raise ConfigError(f"--grad-accum must be at least 1, got {self.grad_accum}.")
-
-
-@dataclass(frozen=True)
-class _Batch:
-    global_batch: int
-    seq_len: int
-    accum: int
-    micro: int  # pipeline micro-batches per accumulation step
-    size: int  # samples per micro-batch on one rank
-
-
-def _batch(spec: ModelSpec, layout: Layout, w: Workload, gpus: int) -> _Batch:
-    b = w.batch_size or gpus * -(-DEFAULT_BATCH // gpus)
-    seq = w.seq_len or (spec.shape.max_seq_len if spec.shape else 1)
-    per_rank, left = divmod(b, layout.dp * w.grad_accum)
-    if left or not per_rank:
-        raise ConfigError(
-            f"global batch {b} does not split into {layout.dp} data-parallel ranks x {w.grad_accum} accumulation "
-            f"steps; choose --batch-size a multiple of {layout.dp * w.grad_accum}."
-        )
-    m = 1 if layout.pp == 1 else (w.microbatches or per_rank)
-    size, left = divmod(per_rank, m)
-    if left or not size:
-        raise ConfigError(
-            f"{per_rank} samples per rank and micro-step do not split into {m} pipeline micro-batches; choose "
-            f"--microbatches a divisor of {per_rank}."
-        )
-    if layout.pp > 1 and w.pp_schedule == "interleaved-1f1b" and m % (rounds := max(1, m // layout.pp)):
-        raise ConfigError(f"--pp-schedule interleaved-1f1b runs the micro-batches in rounds of --pp {layout.pp}: "
-                          f"--microbatches {m} must be a multiple of {rounds} (e.g. {rounds * layout.pp}).")  # fmt: skip
-    return _Batch(b, seq, w.grad_accum, m, size)
-
-
-def stages(spec: ModelSpec, pp: int) -> list[tuple[int, list[ParamGroup], bool, bool]]:
-    """(stage index, layer groups, holds the embedding, holds the head) of the stages worth evaluating: the
-    first, the last and the first one with the most layers (the others are never worse than these)."""
-    if pp == 1:
-        return [(0, list(spec.layers), True, True)]
-    counts = act.split_layers(len(spec.layers), pp)
-    starts = [sum(counts[:i]) for i in range(pp)]
-    pick = sorted({0, pp - 1, counts.index(max(counts))})
-    return [(i, list(spec.layers[starts[i] : starts[i] + counts[i]]), i == 0, i == pp - 1) for i in pick]
-
-
-def _reduced_grad_bytes(sharding: str, w: Workload, d: mem.Dtypes) -> int:
-    """Bytes per element of the gradients a step reduces and accumulates between micro-batches: FSDP's
-    unsharded gradients are in the compute dtype, or fp32 with ``reduce_fp32``; the others' are stored ones."""
-    if sharding != "full":
-        return d.grad
-    return 4 if w.reduce_fp32 else d.compute
-
-
-def _gathered_bytes(spec: ModelSpec, st: _Stage, t: int, w: Workload, d: mem.Dtypes) -> tuple[float, float]:
-    """``(bytes per element of an all-gathered layer, of the stage's gathered parameters on average)``: the
-    compute dtype, or 1 for the layers' weights with ``--fp8-all-gather`` (the norms' few weights included)."""
-    if not w.fp8_all_gather:
-        return float(d.compute), float(d.compute)
-    unit, root = 1.0, st.root.per_rank(t)
-    return unit, ((st.psi - root) * unit + root * d.compute) / st.psi if st.psi else float(d.compute)
-
-
-def _pipeline_buffers(st: _Stage, layout: Layout, w: Workload, batch: _Batch, inp: float) -> float:
-    """Bytes of torch's ``PipelineStage`` receive buffers on this rank: one stage boundary tensor (``inp``, a
-    micro-batch's residual stream) per micro-batch for the activations of every local stage that is not the
-    first and for the gradients of every one that is not the last; the in-flight micro-batches' activation
-    buffers are the layer inputs the activations already count."""
-    p = layout.pp
-    if p == 1:
-        return 0.0
-    v = act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1
-    chunks = [st.index + k * p for k in range(v)]
-    not_first = sum(1 for c in chunks if c > 0)
-    not_last = sum(1 for c in chunks if c < v * p - 1)
-    in_flight = act.in_flight(w.pp_schedule, batch.micro, p, st.index)
-    return inp * (not_first * max(0.0, batch.micro - in_flight) + not_last * batch.micro)
-
-
-def _accumulation(
-    psi: float,
-    grad_bytes: float,
-    activations: float,
-    batch: _Batch,
-    layout: Layout,
-    schedule: str,
-    stage: int,
-) -> tuple[float, float]:
-    """``StepShape``'s accumulated-gradient moment: the local gradients (unsharded: accumulation runs
-    without synchronisation) and the activations saved when a later backward starts (0, 0: none)."""
-    pipelined = layout.pp > 1 and batch.micro > 1
-    if batch.accum == 1 and not pipelined:
-        return 0.0, 0.0
-    later = activations
-    if pipelined:
-        k = act.in_flight(schedule, batch.micro, layout.pp, stage)
-        if k >= batch.micro:  # every forward ran before the first backward (GPipe, or m <= stages ahead)
-            later = activations * (k - 1) / k
-    return psi * grad_bytes, later
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """One pipeline stage of a layout: its index, layer groups and parameters on this rank."""
-
-    index: int
-    groups: list[ParamGroup]
-    first: bool
-    last: bool
-    root: ParamGroup
-    psi: float
-
-
-def _stage_of(spec: ModelSpec, t: int, i: int, groups: list[ParamGroup], first: bool, last: bool) -> _Stage:
-    root = (spec.first if first else ParamGroup()) + (spec.last if last else ParamGroup())
-    psi = sum(g.per_rank(t) for g in groups) + root.per_rank(t)
-    return _Stage(i, groups, first, last, root, psi)
-
-
-def _transformer_activations(
-    spec: ModelSpec, st: _Stage, batch: _Batch, layout: Layout, w: Workload, d: mem.Dtypes
-) -> tuple[float, float, dict[str, Any]]:
-    """``(Korthikanti's reference, the activations the peak uses, the StepShape fields of the layers)`` of a
-    transformer stage: paratrain's own Llama op by op (plan/implementation.py), Korthikanti's figure otherwise."""
-    assert spec.shape is not None
-    sh, s_, b_, t = spec.shape, batch.seq_len, batch.size, layout.tp
-    ac = str(w.activation_checkpointing)
-    mode, every = act.checkpoint_policy(ac)
-    sp = w.sequence_parallel and t > 1
-    lp = w.loss_parallel and t > 1
-    layers = len(st.groups)
-    micro = act.in_flight(w.pp_schedule, batch.micro, layout.pp, st.index)
-    reference = act.stage(
-        sh, layers=layers, first=st.first, last=st.last, s=s_, b=b_, t=t, sp=sp, attention=w.attention,
-        act_bytes=d.activation, checkpointing=ac, micro=micro,
-    )  # fmt: skip
-    if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
-        activations = impl.stage(
-            sh, layers=layers, first=st.first, last=st.last, s=s_, b=b_, t=t, sp=sp, loss_parallel=lp,
-            attention=w.attention, act_bytes=d.activation, checkpointing=ac, micro=micro,
-        )  # fmt: skip
-        per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
-        selective = impl.layer_selective(sh, s_, b_, t, sp, d.activation)
-        loss_grad = impl.loss_grad(sh, s_, b_, t, lp) if st.last else 0.0
-        before = micro * impl.first_extra(sh, s_, b_) if st.first else 0.0
-        released = impl.last_extra(sh, s_, b_, t, sp, lp, d.activation) if st.last else 0.0
-    else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
-        activations = reference
-        per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
-        selective = act.llama_layer_selective(sh, s_, b_, t, sp, d.activation)
-        loss_grad = before = 0.0
-        released = act.last_extra(sh, s_, b_, t, sp, d.activation) if st.last else 0.0
-    inp = s_ * b_ * sh.dim * d.activation / (t if sp else 1)
-    working = act.kept_layers(mode, every, layers, per_layer, inp, selective)[1]
-    activations -= working  # live only while a layer recomputes: its own moment (plan/peak.py)
-    kept = [act.kept_layers(mode, every, 1, per_layer, inp, selective)[0]] * layers
-    if mode == "every":  # the N-th, 2N-th, ... layers of the stage are checkpointed
-        kept = [inp if (j + 1) % every == 0 else per_layer for j in range(layers)]
-    shape_kw = {"unit_activations": tuple(micro * k for k in kept), "before_units": before,
-                "unit_input_grad": inp, "loss_grad": loss_grad, "batch": 2 * s_ * b_ * impl.INT64,
-                "recompute_working": working, "released_before_recompute": micro * released,
-                "later_released": released}  # fmt: skip
-    return reference, activations, shape_kw
-
-
-def _stage_peak(
-    spec: ModelSpec,
-    sharding: str,
-    layout: Layout,
-    w: Workload,
-    cluster: Cluster,
-    batch: _Batch,
-    d: mem.Dtypes,
-    st: _Stage,
-    states: mem.States,
-) -> tuple[pk.Peak, float, float]:
-    """``(the stage's peak moment, its activations, Korthikanti's reference)`` (plan/peak.py)."""  # fmt: skip
-    t, n = layout.tp, layout.dp_shard
-    if spec.states_only:
-        moment = pk.Peak("model states only", {"params": states.params, "grads": states.grads,
-                                               "optimizer": states.optimizer})  # fmt: skip
-        return moment, 0.0, 0.0
-    reference = activations = 0.0
-    shape_kw: dict[str, Any] = {}
-    if spec.shape is not None:
-        reference, activations, shape_kw = _transformer_activations(spec, st, batch, layout, w, d)
-    elif spec.profile is not None:
-        mode = act.checkpoint_policy(str(w.activation_checkpointing))[0]
-        reference = activations = act.module(spec.profile, batch.size, d.activation, mode != "none")
-        prof, scale = spec.profile, batch.size * d.activation / 4
-        shape_kw = {"unit_activations": tuple(x * scale for x in prof.blocks_saved),
-                    "unit_input_grad": max(prof.blocks_input, default=0.0) * scale,
-                    "batch": prof.batch * batch.size}  # fmt: skip
-    largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
-    psi = st.psi
-    unit_bytes, gathered = _gathered_bytes(spec, st, t, w, d)
-    buffers = 0.0
-    if spec.shape is not None:
-        inp = batch.seq_len * batch.size * spec.shape.dim * d.activation
-        buffers = _pipeline_buffers(st, layout, w, batch, inp / (t if w.sequence_parallel and t > 1 else 1))
-    acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
-                        w.pp_schedule, st.index)  # fmt: skip
-    moment = pk.peak(pk.StepShape(
-        states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
-        dp=layout.dp, d=d, units=tuple(g.per_rank(t) for g in st.groups), root=st.root.per_rank(t),
-        largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
-        bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
-        cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
-        accumulated_grads=acc[0], later_activations=acc[1],
-        later_unsharded_params=psi * gathered if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
-        unit_param_bytes=unit_bytes, pipeline_buffers=buffers,
-        **shape_kw,
-    ))  # fmt: skip
-    return moment, activations, reference
-
-
-def _stage_time(
-    spec: ModelSpec,
-    sharding: str,
-    layout: Layout,
-    w: Workload,
-    cluster: Cluster,
-    batch: _Batch,
-    d: mem.Dtypes,
-    st: _Stage,
-) -> tuple[float, dict[str, Any]]:
-    """``(the stage's step time, its communication bytes and time breakdown)`` (plan/comm.py, plan/time.py)."""  # fmt: skip
-    t = layout.tp
-    mode, every = act.checkpoint_policy(str(w.activation_checkpointing))
-    sp = w.sequence_parallel and t > 1
-    layers = len(st.groups)
-    hidden = batch.seq_len * batch.size * spec.shape.dim * d.activation if spec.shape else 0.0
-    ops = step_ops(
-        layout=layout, sharding=sharding, psi=st.psi, grad_bytes=_reduced_grad_bytes(sharding, w, d),
-        param_bytes=d.param, compute_bytes=_gathered_bytes(spec, st, t, w, d)[1], units=layers + 1,
-        bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=layers,
-        passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=st.first,
-        last=st.last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,
-    )  # fmt: skip
-    redo = recompute_fraction(spec, mode, every)
-    samples = batch.global_batch / layout.dp
-    flops = stage_flops_per_sample(spec, batch.seq_len, layers, st.last, redo) * samples / t
-    rate = cluster.gpu_flops * cluster.efficiency
-    time_ = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
-                      micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
-    comm: dict[str, int] = {}
-    for op in ops:
-        comm[op.key] = comm.get(op.key, 0) + round(op.sent)
-    comm["total"] = sum(comm.values())
-    return time_.total, {"comm_bytes_per_rank_per_step": comm, "time_s": time_.to_dict()}
-
-
-def _memory_row(st: _Stage, states: mem.States, moment: pk.Peak, activations: float, reference: float,
+def _memory_row(st: Stage, states: mem.States, moment: pk.Peak, activations: float, reference: float,
                 cluster: Cluster) -> dict[str, Any]:  # fmt: skip
     """The bytes part of a stage's plan: states, activations, buffers, the peak and its moment."""
     counted = ("params", "grads", "optimizer", "activations")
@@ -381,18 +74,18 @@ def evaluate(
 ) -> dict[str, Any]:
     """One plan (the JSON contract's ``plans`` item) for a validated layout: the bytes of the stage with the
     highest peak, the time of the slowest stage."""
-    batch = _batch(spec, layout, w, cluster.gpus)
+    batch = batch_of(spec, layout, w, cluster.gpus)
     d = mem.dtypes(w.precision, w.optimizer, w.momentum)
     best: dict[str, Any] | None = None
     slowest: tuple[float, dict[str, Any]] | None = None
     for i, groups, first, last in stages(spec, layout.pp):
-        st = _stage_of(spec, layout.tp, i, groups, first, last)
+        st = stage_of(spec, layout.tp, i, groups, first, last)
         states = mem.model_states(st.psi, layout.dp_shard, sharding, d)
-        moment, activations, reference = _stage_peak(spec, sharding, layout, w, cluster, batch, d, st, states)
+        moment, activations, reference = stage_peak(spec, sharding, layout, w, cluster, batch, d, st, states)
         row = _memory_row(st, states, moment, activations, reference, cluster)
         if best is None or row["bytes_per_rank"]["peak"] > best["bytes_per_rank"]["peak"]:
             best = row
-        total, timing = _stage_time(spec, sharding, layout, w, cluster, batch, d, st)
+        total, timing = stage_time(spec, sharding, layout, w, cluster, batch, d, st)
         if slowest is None or total > slowest[0]:
             slowest = (total, timing)
     assert best is not None and slowest is not None
