@@ -187,9 +187,9 @@ def test_recommend_llama2_70b_on_512() -> None:
 
 def test_recommend_is_fast_at_4096_gpus() -> None:
     spec = spec_from_shape(FALLBACK_SHAPES["llama2-70b"], "llama2-70b")
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the wall clock of a loaded machine measures the other processes
     result = recommend(spec, h100(4096), Workload(precision="bf16"))
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert result["plans"] and result["evaluated"] > 100
 
 
