@@ -35,6 +35,7 @@ from torch import nn
 from paratrain.errors import ConfigError
 from paratrain.models.llama import Llama, flops_per_token
 from paratrain.models.spec import ModelSpec, register_model_spec
+from paratrain.spec.moe import is_moe_layer
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -54,12 +55,6 @@ def check_tensor_parallel(model: Llama, tp: int, ranks: int | None = None) -> No
     by the TP degree, and the embeddings are not tied. ``ranks``: the ranks left for ``tp`` (world / pp); the
     degrees the message suggests are the ones above 1 that divide them too (a tp preset refuses ``--tp 1``)."""
     cfg = model.config
-    if cfg.n_experts:
-        raise ConfigError(
-            f"tensor parallelism does not split MoE layers yet (model.n_experts={cfg.n_experts}): the Llama TP "
-            "plan covers dense layers only. Split the experts with --strategy ep or fsdp+ep, or use a "
-            "data-parallel strategy (ddp, zero3)."
-        )
     if cfg.n_heads % tp or cfg.n_kv_heads % tp:
         heads = [d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_heads % d == 0 and cfg.n_kv_heads % d == 0]
         usable = [d for d in heads if d > 1 and (ranks is None or ranks % d == 0)]
@@ -125,6 +120,19 @@ def tp_plan(
             plan[f"{p}.feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             )
+        if is_moe_layer(model.config, int(key)):
+            # An MoE block runs sequence-parallel: each tp rank routes its own s/tp tokens (plain tensors in and
+            # out), its experts split by the expert-parallel strategy, its router and shared expert replicated
+            # over tp (their gradients summed over tp by that strategy). Without SP it runs replicated.
+            plan.pop(f"{p}.feed_forward", None)
+            if sequence_parallel:
+                plan[f"{p}.feed_forward"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+                )
+            for name in ("attention.wq", "attention.wk", "attention.wv"):
+                plan[f"{p}.{name}"] = ColwiseParallel()
+            plan[f"{p}.attention.wo"] = RowwiseParallel(output_layouts=stream)
+            continue
         # colwise: each rank computes its heads / its slice of the hidden width, with no communication
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"{p}.{name}"] = ColwiseParallel()

@@ -1,4 +1,4 @@
-"""``ep`` and ``fsdp+ep``: expert parallelism for mixture-of-experts models (:mod:`paratrain.models.moe`).
+"""``ep``, ``fsdp+ep`` and ``fsdp+tp+ep``: expert parallelism for mixture-of-experts models (:mod:`paratrain.models.moe`).
 
 **Layout** (torchtitan's dp2ep). The dense part of the model (attention, norms, router, shared expert,
 embeddings) is laid out as usual over the data-parallel ranks: replicated (``ep``) or sharded by FSDP2
@@ -53,11 +53,17 @@ from paratrain import comm
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.models.moe import GroupedExperts, MoE, moe_layers
-from paratrain.parallel.grads import all_reduce_replicas, clip_grad_norm, no_gradient_sync
+from paratrain.parallel.grads import (
+    all_reduce_replicas,
+    clip_grad_norm,
+    no_gradient_sync,
+    replicated_value,
+    to_local,
+)
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn, Strategy
-from paratrain.parallel.tensor import ModelParallel
+from paratrain.parallel.tensor import ModelParallel, _TensorParallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -186,15 +192,22 @@ class _ExpertParallel(ModelParallel):
         loss = Strategy.forward_backward(self, model, batch, loss_fn, precision, micro_batches)
         if not self.uses_fsdp:
             self.sync_gradients(model)
-        elif self.topology.ep > 1:
-            # FSDP2's reduce-scatter over edp averaged the expert gradients (sum / edp); each was already a
-            # sum over its ep group's tokens, so one more 1/ep makes it the mean over every rank. (FSDP2's
-            # set_gradient_divide_factor would fold this in, but it needs PREMUL_SUM, which Gloo lacks.)
-            for moe in moe_layers(model):
-                for p in moe.experts.parameters():
-                    if p.grad is not None:
-                        p.grad.to_local().div_(self.topology.ep)  # type: ignore[attr-defined]
+        else:
+            self.scale_expert_gradients(model)
         return loss
+
+    def scale_expert_gradients(self, model: nn.Module) -> None:
+        """FSDP2's reduce-scatter over ``edp`` averaged the expert gradients (sum / edp); each was already a
+        sum over its ep group's tokens, so ``edp / dp`` more makes it the mean over the data-parallel ranks
+        (``1 / ep`` without tp). (FSDP2's set_gradient_divide_factor would fold this in, but it needs
+        PREMUL_SUM, which Gloo lacks.)"""
+        factor = (self.topology.world_size // self.topology.pp // self.topology.ep) / self.topology.dp_size
+        if factor == 1:
+            return
+        for moe in moe_layers(model):
+            for p in moe.experts.parameters():
+                if p.grad is not None:
+                    p.grad.to_local().mul_(factor)  # type: ignore[attr-defined]
 
     def sync_gradients(self, model: nn.Module) -> None:
         """``ep``: dense gradients averaged over every rank (bucketed all-reduces), expert gradients summed
@@ -217,6 +230,50 @@ class _ExpertParallel(ModelParallel):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(model.parameters(), max_norm, self.ctx.device)
+
+
+class _TensorExpertParallel(_ExpertParallel):
+    """``fsdp+tp+ep``: the dense part as ``fsdp+tp`` (:mod:`paratrain.parallel.tensor`), the experts over an
+    ``ep`` axis borrowed from ``dp_shard x tp``.
+
+    The Llama TP plan runs each MoE block sequence-parallel (:func:`paratrain.models.llama_parallel.tp_plan`):
+    a tp rank routes its own ``s / tp`` tokens, so every rank of ``dp_shard x tp`` routes different tokens and
+    the ``ep`` groups (``ep`` consecutive ranks: the tp ranks first) exchange them like data-parallel ranks.
+    The router and the shared expert are replicated over ``tp`` and see a slice of the sequence each: after
+    FSDP2's reduce-scatter over ``dp_shard`` their gradient shards are summed over ``tp`` (one all-reduce
+    per step). The expert gradients get ``edp / dp`` (:meth:`scale_expert_gradients`)."""
+
+    @classmethod
+    def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
+        super().check_model(model, world_size, config)
+        layers = moe_layers(model)
+        if cls.topology_for(world_size, config).tp > 1 and layers and layers[0].aux_loss_coef > 0:
+            raise ConfigError(
+                f"model.aux_loss_coef={layers[0].aux_loss_coef}: the sequence-level balance loss needs whole "
+                f"sequences, and under {cls.name} each tp rank routes a slice of each. Use the loss-free "
+                "expert bias (model.aux_loss_coef=0, model.bias_update_rate > 0), or --strategy fsdp+ep."
+            )
+
+    def apply_tensor_parallel(self, model: nn.Module) -> nn.Module:
+        model = ModelParallel.apply_tensor_parallel(self, model)  # the dense layers over tp
+        return super().apply_tensor_parallel(model)  # then the experts over ep
+
+    def forward_backward(
+        self, model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Any, micro_batches: int
+    ) -> torch.Tensor:
+        loss = _TensorParallel.forward_backward(self, model, batch, loss_fn, precision, micro_batches)  # type: ignore[arg-type]
+        self.scale_expert_gradients(model)
+        if self.topology.tp > 1:
+            tp = self.group("tp")
+            for moe in moe_layers(model):
+                for mod in (moe.router, moe.shared_experts):
+                    for p in mod.parameters() if mod is not None else ():
+                        if p.grad is not None:
+                            dist.all_reduce(to_local(p.grad), group=tp)
+        return loss
+
+    def evaluate_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+        return replicated_value(model(inputs))
 
 
 def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> None:
@@ -254,4 +311,18 @@ class FSDPExpertParallel(_ExpertParallel):
     ep_default = "two"
 
 
-__all__ = ["ExpertDispatch", "ExpertParallel", "FSDPExpertParallel", "MoE", "check_model_experts"]
+@register_strategy("fsdp+tp+ep")
+class FSDPTensorExpertParallel(_TensorExpertParallel):
+    description = "tensor parallel and FSDP2 for the dense part; experts over --ep ranks of dp_shard x tp"
+    uses_fsdp = True
+    supports_mixed_precision = True
+
+
+__all__ = [
+    "ExpertDispatch",
+    "ExpertParallel",
+    "FSDPExpertParallel",
+    "FSDPTensorExpertParallel",
+    "MoE",
+    "check_model_experts",
+]

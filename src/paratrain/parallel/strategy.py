@@ -66,6 +66,7 @@ class Strategy:
     uses_tp: ClassVar[bool] = False
     uses_pp: ClassVar[bool] = False
     uses_fsdp: ClassVar[bool] = False
+    uses_ep: ClassVar[bool] = False
     required_axes: ClassVar[tuple[str, ...]] = ()
     comm_algorithms: ClassVar[tuple[str, ...]] = ("native",)
     # ---- behaviour of the implementation (not part of the spec) ---------------------------------------
@@ -189,6 +190,17 @@ class Strategy:
         if self._dp_group is None:
             self._dp_group = self.axis_group(("dp_replicate", "dp_shard"))
         return self._dp_group
+
+    @property
+    def moe_group(self) -> dist.ProcessGroup | None:
+        """The ranks that route different tokens, over which an MoE model's expert counts are summed at each
+        optimizer step (:func:`paratrain.models.moe.after_optimizer_step`): the data-parallel ones, and the
+        ``tp`` ranks too where MoE blocks run sequence-parallel (``fsdp+tp+ep``)."""
+        if not self.uses_ep or self.topology.tp == 1:
+            return self.dp_group
+        if self.topology.pp == 1 or not self.ctx.distributed:
+            return None
+        return self.axis_group(("dp_replicate", "dp_shard", "tp"))
 
     def axis_group(self, axes: Sequence[str]) -> dist.ProcessGroup | None:
         """The process group over ``axes`` of the run's mesh (flattened when several)."""

@@ -120,7 +120,22 @@ class ModelParallel(Strategy):
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
         topo = cls.topology_for(world_size, config)
         if cls.uses_tp and topo.tp > 1:
+            cls.check_experts_tp(model)
             check_model_tp(model, topo.tp, world_size // topo.pp)
+
+    @classmethod
+    def check_experts_tp(cls, model: nn.Module) -> None:
+        """An MoE model under tensor parallelism needs a strategy that splits its experts (``fsdp+tp+ep``):
+        the TP plan runs MoE blocks sequence-parallel and leaves the experts to ``ep``."""
+        from paratrain.models.moe import moe_layers
+
+        if moe_layers(model) and not cls.uses_ep:
+            n = moe_layers(model)[0].n_experts
+            raise ConfigError(
+                f"strategy {cls.name!r} does not split MoE layers (model.n_experts={n}): under tensor parallelism "
+                "the experts are split over an ep axis. Use --strategy fsdp+tp+ep, or fsdp+ep / ep without tp, "
+                "or a data-parallel strategy (ddp, zero3)."
+            )
 
     # ---- groups --------------------------------------------------------------------------------------
     def group(self, axis: str) -> Any:
@@ -143,6 +158,7 @@ class ModelParallel(Strategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         assert self.mesh is not None
+        self.check_experts_tp(model)
         plan = model_tp_plan(model, self.config, self.user_tp_plan)
         if self.user_tp_plan is None:
             check_model_tp(model, self.topology.tp)

@@ -28,12 +28,12 @@ def check(name: str, world_size: int, config: StrategyConfig, gpus_per_node: int
     else:
         _check_data_parallel(spec, topology, config, gpus_per_node or world_size)
     if spec.uses_ep:
-        _check_expert_parallel(spec, topology)
+        _check_expert_parallel(spec, topology, config)
     check_comm_algorithm(spec.name, config.comm_algorithm)
     return topology
 
 
-def _check_expert_parallel(spec: StrategySpec, topology: Topology) -> None:
+def _check_expert_parallel(spec: StrategySpec, topology: Topology, config: StrategyConfig) -> None:
     if topology.ep == 1 and topology.world_size > 1:
         raise ConfigError(
             f"strategy {spec.name!r} splits the experts over an ep axis, but it came out as ep 1 on "
@@ -44,6 +44,12 @@ def _check_expert_parallel(spec: StrategySpec, topology: Topology) -> None:
         raise ConfigError(
             f"strategy {spec.name!r} shards over all data-parallel ranks; --dp-replicate "
             f"{topology.dp_replicate} is not supported with expert parallelism. Leave it out."
+        )
+    if spec.uses_tp and topology.tp > 1 and not config.sequence_parallel:
+        raise ConfigError(
+            f"strategy {spec.name!r} routes each tp rank's own slice of the sequence (the MoE layers run "
+            "sequence-parallel, so ep can borrow the tp ranks); --no-sequence-parallel would give every tp rank "
+            "the same tokens. Leave sequence parallelism on, or use --strategy fsdp+ep."
         )
 
 

@@ -28,6 +28,7 @@ from paratrain.spec.topology import AXES
 
 __all__ = [
     "ALIASES",
+    "PLANNED_ONLY",
     "PP_SCHEDULES",
     "STRATEGIES",
     "StrategySpec",
@@ -172,6 +173,12 @@ STRATEGIES: dict[str, StrategySpec] = {
             required_axes=_ALL, comm_algorithms=("native", "pairwise"), comm_algorithms_help=_A2A,
         ),
         StrategySpec(
+            "fsdp+tp+ep", "2-D dense (tensor parallel inside a node, FSDP2 over the rest); experts split over --ep "
+            "ranks borrowed from dp_shard x tp, FSDP over the ranks left", sharding="full", dp_preset="shard",
+            uses_tp=True, uses_ep=True, ep_default="two", supports_mixed_precision=True, required_axes=_ALL,
+            comm_algorithms=("native", "pairwise"), comm_algorithms_help=_A2A,
+        ),
+        StrategySpec(
             "fsdp+tp+pp", "3-D: pipeline stages, tensor parallel inside each (innermost axis), FSDP2 over the rest",
             sharding="full", dp_preset="shard", uses_tp=True, uses_pp=True, pp_schedules=PP_SCHEDULES, supports_mixed_precision=True, required_axes=_ALL,
         ),
@@ -180,6 +187,13 @@ STRATEGIES: dict[str, StrategySpec] = {
 """The registry of names, in the order ``paratrain strategies`` lists them."""
 
 ALIASES: dict[str, str] = {a: s.name for s in STRATEGIES.values() for a in s.aliases}
+
+PLANNED_ONLY: dict[str, str] = {
+    "fsdp+ep+pp": "pipeline stages (outermost axis), each an fsdp+ep layout: experts split over --ep of the "
+    "stage's data-parallel ranks, FSDP2 over the rest",
+}
+"""Layouts ``paratrain plan`` costs that ``paratrain train`` does not run yet (refused by :func:`canonical` with
+what exists instead)."""
 
 
 def names(include_aliases: bool = True) -> list[str]:
@@ -190,6 +204,12 @@ def names(include_aliases: bool = True) -> list[str]:
 def canonical(name: str) -> str:
     """The registered name of ``name`` (an alias resolved); :class:`ConfigError` with a suggestion otherwise."""
     resolved = ALIASES.get(name, name)
+    if resolved in PLANNED_ONLY:
+        raise ConfigError(
+            f"strategy {name!r} ({PLANNED_ONLY[name]}) is planned (paratrain plan --strategy {name}) but not "
+            "trained yet: expert parallelism does not compose with pipeline stages in paratrain train. Use "
+            "--strategy fsdp+ep or fsdp+tp+ep (experts over ep, no pipeline), or fsdp+pp for a dense model."
+        )
     if resolved not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}. {suggest(name, names())}")
     return resolved

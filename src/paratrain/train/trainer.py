@@ -325,7 +325,7 @@ class Trainer:
             st.precision.step(self.optimizer)
             st.scheduler.step()
         if self.moe_stats is not None:  # expert counts summed over the data-parallel ranks, bias updated
-            self.moe_stats = after_optimizer_step(self.model, self.strategy.dp_group, t.grad_accum)
+            self.moe_stats = after_optimizer_step(self.model, self.strategy.moe_group, t.grad_accum)
         return loss
 
     def _console(self, start_step: int, lines: bool) -> ConsoleLog:
