@@ -80,12 +80,46 @@ def test_default_plans_of_an_moe_model_include_ep_and_refusals() -> None:
         _plan("--model", "mixtral-8x7b", "--gpus", "8", "--strategy", "zero3", "--ep", "2")
 
 
-def test_recommend_considers_ep_and_no_tp_for_moe() -> None:
+def test_recommend_considers_ep_and_tp_only_with_ep_for_moe() -> None:
     out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--recommend", "--top", "100")
     names = {p["strategy"] for p in out["plans"] + out["rejected"]}
     assert {"ep", "fsdp+ep"} & names
-    assert all(p["layout"]["tp"] == 1 for p in out["plans"] + out["rejected"])
+    # tensor parallelism only with the experts over ep (the TP plan leaves them to it)
+    assert all(p["layout"]["tp"] == 1 or p["strategy"] == "fsdp+tp+ep" for p in out["plans"] + out["rejected"])
     eps = [p for p in out["plans"] if "ep" in p["layout"]]
     assert all(p["moe"]["ep"] == p["layout"]["ep"] for p in eps)
-    with pytest.raises(ConfigError, match="has MoE layers, which paratrain's tensor-parallel plan"):
+    with pytest.raises(ConfigError, match=r"has MoE layers.*use --strategy fsdp\+tp\+ep"):
         _plan("--model", "mixtral-8x7b", "--gpus", "16", "--strategy", "fsdp+tp", "--tp", "2")
+
+
+def test_fsdp_tp_ep_and_fsdp_ep_pp_plans() -> None:
+    """``fsdp+tp+ep`` holds the states of ``fsdp+tp`` (every parameter 1/(dp x tp) per rank) and routes
+    ``s b / tp`` tokens per rank; ``fsdp+ep+pp`` holds those of ``fsdp+pp`` and runs the all-to-alls of its
+    stage's MoE layers (16 of mixtral's 32 on 2 stages). ``paratrain train`` refuses ``fsdp+ep+pp`` by name."""
+    common = ["--model", "mixtral-8x7b", "--gpus", "64", "--seq-len", "1024", "--batch-size", "64",
+              "--precision", "fp32"]  # fmt: skip
+    tpep = _plan(*common, "--strategy", "fsdp+tp+ep", "--tp", "2", "--ep", "8")["plans"][0]
+    assert tpep["layout"] == {"dp_replicate": 1, "dp_shard": 32, "tp": 2, "pp": 1, "ep": 8}
+    assert tpep["moe"]["edp"] == 64 // 8
+    tokens = 1024 * (64 // 32) / 2  # a dp rank's tokens, split over its 2 tp ranks
+    per_dir = 2 * 2 * tokens * 4096 * 7 / 8 * 4
+    assert tpep["moe"]["alltoall_bytes_per_layer_per_direction"] == pytest.approx(per_dir)
+    assert tpep["comm_bytes_per_rank_per_step"]["ep.all_to_all"] == pytest.approx(2 * 32 * per_dir, rel=1e-9)
+    assert tpep["comm_bytes_per_rank_per_step"]["tp.all_gather"] > 0  # the dense part's TP traffic
+
+    eppp = _plan(*common, "--strategy", "fsdp+ep+pp", "--pp", "2", "--ep", "4")["plans"][0]
+    fsdp_pp = _plan(*common, "--strategy", "fsdp+pp", "--pp", "2")
+    assert eppp["layout"] == {"dp_replicate": 1, "dp_shard": 32, "tp": 1, "pp": 2, "ep": 4}
+    assert eppp["model_state_bytes_per_rank"] == fsdp_pp["plans"][0]["model_state_bytes_per_rank"]
+    assert eppp["moe"]["moe_layers_on_stage"] == 16
+    per_dir = 2 * 2 * 1024 * 2 * 4096 * 3 / 4 * 4
+    assert eppp["comm_bytes_per_rank_per_step"]["ep.all_to_all"] == pytest.approx(2 * 16 * per_dir, rel=1e-9)
+    assert eppp["comm_bytes_per_rank_per_step"]["pp.send_recv"] > 0
+    assert eppp["bytes_per_rank"]["activations"] > fsdp_pp["plans"][0]["bytes_per_rank"]["activations"]
+    with pytest.raises(ConfigError, match="does not divide the 32 data-parallel ranks"):
+        _plan(*common, "--strategy", "fsdp+ep+pp", "--pp", "2", "--ep", "64")
+
+    from paratrain.spec.strategies import canonical
+
+    with pytest.raises(ConfigError, match=r"'fsdp\+ep\+pp'.*planned.*not trained yet.*fsdp\+tp\+ep"):
+        canonical("fsdp+ep+pp")

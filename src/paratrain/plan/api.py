@@ -162,9 +162,11 @@ def plan(
 
     if strategy in EP_STRATEGIES or ep is not None:  # expert parallelism: plan/moe.py
         if strategy not in EP_STRATEGIES:
-            raise ConfigError(f"--ep {ep} splits the experts of an MoE model: use --strategy ep or fsdp+ep.")
+            raise ConfigError(
+                f"--ep {ep} splits the experts of an MoE model: use --strategy {' or '.join(EP_STRATEGIES)}."
+            )
         out = header(spec, cluster, w)
-        out["plans"] = ep_plans(spec, cluster, w, strategy, ep, moe_overload, dp_shard, dp_replicate)
+        out["plans"] = ep_plans(spec, cluster, w, strategy, ep, moe_overload, dp_shard, dp_replicate, tp, pp)
         return out
     if strategy is not None or any(v is not None for v in (tp, pp, dp_shard, dp_replicate)):
         options = {"microbatches": w.microbatches, "pp_schedule": w.pp_schedule, "offload": w.offload,
@@ -178,8 +180,8 @@ def plan(
             chosen = [c for c in chosen if c[1] == "full"]
     if spec.moe is not None and any(layout.tp > 1 for _, _, layout in chosen):
         raise ConfigError(
-            f"model {spec.name!r} has MoE layers, which paratrain's tensor-parallel plan does not split; use "
-            "--strategy ep or fsdp+ep (experts over an ep axis), or a strategy without tp."
+            f"model {spec.name!r} has MoE layers, whose experts tensor parallelism leaves to an ep axis; use "
+            "--strategy fsdp+tp+ep (or ep, fsdp+ep, fsdp+ep+pp), or a strategy without tp."
         )
     out = header(spec, cluster, w)
     out["plans"] = [evaluate(spec, name, sharding, layout, w, cluster) for name, sharding, layout in chosen]
@@ -235,29 +237,45 @@ def with_defaults(w: Workload, cluster: Cluster, precision: str | None) -> Workl
 
 
 def ep_plans(spec: Any, cluster: Any, w: Any, strategy: str | None, ep: int | None, overload: float,
-             dp_shard: int | None = None, dp_replicate: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """The plans of ``strategy`` (``ep``/``fsdp+ep``; ``None``: both, at their default degrees) for ``spec``."""
+             dp_shard: int | None = None, dp_replicate: int | None = None, tp: int | None = None,
+             pp: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The plans of ``strategy`` (an expert-parallel name of :data:`~paratrain.plan.moe.EP_STRATEGIES`;
+    ``None``: each, at its default degrees, where they apply) for ``spec``."""
     from paratrain.plan import memory as mem
     from paratrain.plan.moe import EP_STRATEGIES, MoEShape, apply_expert_parallel, check_ep
 
     moe: MoEShape | None = getattr(spec, "moe", None)
     names = [strategy] if strategy is not None else list(EP_STRATEGIES)
+    options = {"microbatches": w.microbatches, "pp_schedule": w.pp_schedule, "offload": w.offload,
+               "sequence_parallel": w.sequence_parallel, "loss_parallel": w.loss_parallel}  # fmt: skip
     out = []
     for name in names:
-        degree = ep if ep is not None else (cluster.gpus if name == "ep" else 2)
+        base, _ = EP_STRATEGIES[name]
+        try:
+            _, sharding, layout = lay.resolve(base, cluster.gpus, shape=spec.shape, gpus_per_node=cluster.gpus_per_node,
+                                              tp=tp, pp=pp, dp_shard=dp_shard, dp_replicate=dp_replicate,
+                                              model=spec.name, options=options)  # fmt: skip
+        except ConfigError as e:
+            if strategy is None:
+                continue  # a default layout this cluster cannot run
+            raise ConfigError(str(e).replace(f"strategy {base!r}", f"strategy {name!r}")) from e
+        stage_ranks = layout.gpus // layout.pp  # the ranks ep borrows from: dp x tp of one stage
+        degree = ep if ep is not None else (stage_ranks if name == "ep" else 2)
         if strategy is None and (
-            moe is None or cluster.gpus % degree or moe.n_experts % degree or degree < 2
+            moe is None or stage_ranks % degree or moe.n_experts % degree or degree < 2
         ):
             continue  # a default that does not apply to this model or cluster
         if strategy is not None and degree < 2 and cluster.gpus > 1:
             raise ConfigError(f"strategy {name!r} splits the experts over an ep axis; give --ep 2 or more.")
-        check_ep(moe, degree, cluster.gpus, spec.name)
+        check_ep(moe, degree, stage_ranks, spec.name)
         assert moe is not None
-        base = plan(spec, cluster, w, EP_STRATEGIES[name][0], dp_shard=dp_shard, dp_replicate=dp_replicate)
+        row = evaluate(spec, base, sharding, layout, w, cluster)
         intra = degree <= cluster.gpus_per_node
         alpha = cluster.intra_latency if intra else cluster.inter_latency
         beta = 1 / (cluster.intra_bw if intra else cluster.inter_bw)
         d = mem.dtypes(w.precision, w.optimizer, w.momentum)
-        out.append(apply_expert_parallel(base["plans"][0], name, moe, degree, spec.num_params, overload, d,
-                                         alpha, beta, cluster.gpu_mem_bytes))  # fmt: skip
+        p = apply_expert_parallel(row, name, moe, degree, spec.num_params, overload, d, alpha, beta,
+                                  cluster.gpu_mem_bytes)  # fmt: skip
+        p["advice"] = []
+        out.append(p)
     return out

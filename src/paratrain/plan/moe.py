@@ -1,13 +1,18 @@
 """Mixture-of-experts models in the planner: expert parallelism's bytes, all-to-all volume and time.
 
-Pure arithmetic (no torch). A plan of ``ep`` or ``fsdp+ep`` is the plan of the dense layout it builds on
-(``ddp``: the dense part replicated; ``zero3``: the dense part sharded over every data-parallel rank), with
-the expert terms replaced (:func:`apply_expert_parallel`):
+Pure arithmetic (no torch). A plan of an expert-parallel strategy is the plan of the dense layout it builds
+on (:data:`EP_STRATEGIES`: ``ep`` on ``ddp``, the dense part replicated; ``fsdp+ep`` on ``zero3``;
+``fsdp+tp+ep`` on ``fsdp+tp``; ``fsdp+ep+pp`` on ``fsdp+pp``), with the expert terms replaced
+(:func:`apply_expert_parallel`). ``ep`` borrows its ranks from one pipeline stage's ``dp x tp`` ranks; under
+tensor parallelism the MoE blocks run sequence-parallel, so a rank routes ``s * b / tp`` tokens; under a
+pipeline the busiest (first) stage holds ``ceil(moe_layers / pp)`` MoE layers, keeps the activations of as
+many micro-batches as its schedule has in flight, and runs their all-to-alls:
 
 - **parameters**: the routed experts, ``P_e = moe_layers * n_experts * 3 * dim * moe_hidden``, are divided by
   ``ep`` (``ep``: each rank holds ``n_experts / ep`` of them; the ``edp = N / ep`` copies replicate them), and
-  by ``edp`` too under ``fsdp+ep`` (FSDP over the ranks left), which makes ``fsdp+ep``'s model states those of
-  ``zero3``: ``16 P / N`` in fp32 AdamW. The router and the shared expert are dense (replicated or sharded
+  by ``edp`` too under the ``fsdp+*`` ones (FSDP over the ranks left), which makes their model states those
+  of the base layout (``zero3``: ``16 P / N`` in fp32 AdamW): every parameter, dense or expert, is held
+  ``1 / (dp x tp)`` per rank of its stage. The router and the shared expert are dense (replicated or sharded
   with the dense part).
 - **activations** of an MoE layer (paratrain's Llama, fp32 terms as :mod:`paratrain.plan.implementation`):
   the routed rows ``r = top_k * s * b * overload`` (``--moe-overload``: the busiest rank's rows over the mean)
@@ -25,13 +30,20 @@ the expert terms replaced (:func:`apply_expert_parallel`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 from paratrain.errors import ConfigError
 
-EP_STRATEGIES = {"ep": ("ddp", "none"), "fsdp+ep": ("zero3", "full")}
-"""Expert-parallel strategy -> (the dense layout it builds on, its sharding)."""
+EP_STRATEGIES = {
+    "ep": ("ddp", "none"),
+    "fsdp+ep": ("zero3", "full"),
+    "fsdp+tp+ep": ("fsdp+tp", "full"),
+    "fsdp+ep+pp": ("fsdp+pp", "full"),
+}
+"""Expert-parallel strategy -> (the dense layout it builds on, its sharding). ``fsdp+ep+pp`` is planned only
+(``paratrain train`` refuses it: :data:`paratrain.spec.strategies.PLANNED_ONLY`)."""
 
 
 @dataclass(frozen=True)
@@ -102,27 +114,36 @@ def apply_expert_parallel(
     """Turn the plan ``row`` of the dense base layout into the plan of ``strategy`` at ``ep`` (see above).
     ``d``: the :class:`~paratrain.plan.memory.Dtypes`; ``alpha``, ``beta``: the ep group's link; ``gpu_mem``:
     bytes per GPU."""
+    from paratrain.plan import activations as act
     from paratrain.plan import memory as mem
 
-    n = row["layout"]["dp_replicate"] * row["layout"]["dp_shard"]
+    layout = row["layout"]
+    n, tp, pp = layout["dp_replicate"] * layout["dp_shard"], layout["tp"], layout["pp"]
+    stage_ranks = n * tp  # the ranks ep borrows from
+    stage_layers = math.ceil(moe.moe_layers / pp)  # MoE layers of the busiest stage
+    stage = replace(moe, moe_layers=stage_layers)
     experts, dense = moe.expert_params, num_params - moe.expert_params
+    stage_experts = experts * stage_layers / moe.moe_layers
     sharding = EP_STRATEGIES[strategy][1]
-    held = dense + experts / ep if sharding == "none" else num_params
-    states = mem.model_states(held, n, sharding, d)
-    b = row["micro_batch_size"]
-    s = row["seq_len"]
-    act_delta = moe_activation_delta(moe, s, b, ep, overload, d.activation)
-    tokens = s * b * row["microbatches"] * row["grad_accum"]
-    elements = moe.alltoall_elements(tokens, ep)  # per layer and direction
-    sent = 2 * moe.moe_layers * elements * d.compute  # forward and backward
-    messages = 4 * moe.moe_layers * (ep - 1) * row["microbatches"] * row["grad_accum"]
-    a2a_time = sent * beta + messages * alpha
-    out = dict(row)
     by = dict(row["bytes_per_rank"])
     old_states = by["params"] + by["grads"] + by["optimizer"]
-    by.update(params=round(states.params), grads=round(states.grads), optimizer=round(states.optimizer))
+    if sharding == "none":  # ep: dense replicated, the experts divided by ep
+        states = mem.model_states(dense + experts / ep, n, sharding, d)
+        by.update(params=round(states.params), grads=round(states.grads), optimizer=round(states.optimizer))
+        state_total = states.total
+    else:  # FSDP shards dense and expert parameters alike over the stage's ranks: the base's states hold
+        state_total = old_states
+    b, s = row["micro_batch_size"], row["seq_len"]
+    in_flight = act.in_flight(row.get("pp_schedule") or "1f1b", row["microbatches"], pp, 0) if pp > 1 else 1
+    act_delta = in_flight * moe_activation_delta(stage, s, b / tp, ep, overload, d.activation)
+    tokens = s * b * row["microbatches"] * row["grad_accum"] / tp  # this rank's routed tokens (sequence-parallel)
+    elements = moe.alltoall_elements(tokens, ep)  # per layer and direction
+    sent = 2 * stage_layers * elements * d.compute  # forward and backward
+    messages = 4 * stage_layers * (ep - 1) * row["microbatches"] * row["grad_accum"]
+    a2a_time = sent * beta + messages * alpha
+    out = dict(row)
     by["activations"] = round(by["activations"] + act_delta)
-    by["peak"] = round(by["peak"] - old_states + states.total + act_delta)
+    by["peak"] = round(by["peak"] - old_states + state_total + act_delta)
     comm = dict(row["comm_bytes_per_rank_per_step"])
     if sharding == "none":  # the replicas' all-reduce carries the dense gradients and the experts' over edp
         for key in [k for k in comm if k.endswith("all_reduce")]:
@@ -133,16 +154,18 @@ def apply_expert_parallel(
     time_s["ep_all_to_all"] = a2a_time
     time_s["total"] = time_s.get("total", row["step_time_s"]) + a2a_time
     step = row["step_time_s"] + a2a_time
+    full = sharding == "full"
     out.update(
-        strategy=strategy, bytes_per_rank=by, model_state_bytes_per_rank=round(states.total),
+        strategy=strategy, bytes_per_rank=by, model_state_bytes_per_rank=round(state_total),
         comm_bytes_per_rank_per_step=comm, time_s=time_s, step_time_s=step,
         mfu=row["mfu"] * row["step_time_s"] / step if row.get("mfu") else row.get("mfu"),
-        layout={**row["layout"], "ep": ep},
+        layout={**layout, "ep": ep},
         moe={
-            "ep": ep, "edp": n // ep, "expert_params_per_rank": experts / ep / (n // ep if sharding == "full" else 1),
-            "dense_params_per_rank": dense / (n if sharding == "full" else 1),
+            "ep": ep, "edp": stage_ranks // ep,
+            "expert_params_per_rank": stage_experts / ep / (stage_ranks // ep if full else 1),
+            "dense_params_per_rank": dense / pp / (stage_ranks if full else 1),
             "alltoall_bytes_per_layer_per_direction": elements * d.compute, "moe_layers": moe.moe_layers,
-            "overload": overload,
+            "moe_layers_on_stage": stage_layers, "overload": overload,
         },
     )  # fmt: skip
     out["fits"] = by["peak"] <= gpu_mem
