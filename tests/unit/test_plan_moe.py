@@ -85,7 +85,9 @@ def test_recommend_considers_ep_and_tp_only_with_ep_for_moe() -> None:
     names = {p["strategy"] for p in out["plans"] + out["rejected"]}
     assert {"ep", "fsdp+ep"} & names
     # tensor parallelism only with the experts over ep (the TP plan leaves them to it)
-    assert all(p["layout"]["tp"] == 1 or p["strategy"] == "fsdp+tp+ep" for p in out["plans"] + out["rejected"])
+    assert all(
+        p["layout"]["tp"] == 1 or p["strategy"] == "fsdp+tp+ep" for p in out["plans"] + out["rejected"]
+    )
     eps = [p for p in out["plans"] if "ep" in p["layout"]]
     assert all(p["moe"]["ep"] == p["layout"]["ep"] for p in eps)
     with pytest.raises(ConfigError, match=r"has MoE layers.*use --strategy fsdp\+tp\+ep"):

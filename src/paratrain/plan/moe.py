@@ -136,7 +136,8 @@ def apply_expert_parallel(
     b, s = row["micro_batch_size"], row["seq_len"]
     in_flight = act.in_flight(row.get("pp_schedule") or "1f1b", row["microbatches"], pp, 0) if pp > 1 else 1
     act_delta = in_flight * moe_activation_delta(stage, s, b / tp, ep, overload, d.activation)
-    tokens = s * b * row["microbatches"] * row["grad_accum"] / tp  # this rank's routed tokens (sequence-parallel)
+    # this rank's routed tokens in a step (sequence-parallel under tp)
+    tokens = s * b * row["microbatches"] * row["grad_accum"] / tp
     elements = moe.alltoall_elements(tokens, ep)  # per layer and direction
     sent = 2 * stage_layers * elements * d.compute  # forward and backward
     messages = 4 * stage_layers * (ep - 1) * row["microbatches"] * row["grad_accum"]
