@@ -66,3 +66,21 @@ def test_same_layout_resume_is_bit_exact_and_wrong_expert_count_refused(tmp_path
     assert "the checkpoint has 8 experts per MoE layer, the model 4 (model.n_experts)" in proc.stderr, (
         proc.stderr
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_tp_ep_checkpoint_continues_under_single(tmp_path: Path) -> None:
+    """A run saved under fsdp+tp+ep (dp_shard 2 x tp 2, ep 2: experts as 2-D DTensors over (edp, ep)) resumes
+    under single on the single-process curve. No auxiliary loss: fsdp+tp+ep routes sequence slices."""
+    no_aux = ("--set", "model.aux_loss_coef=0")
+    ref = _train(tmp_path, 4, "single", 1, None, *no_aux)
+    ckpt = tmp_path / "ckpt"
+    a = _train(tmp_path, 2, "fsdp+tp+ep", 4, ckpt, "--tp", "2", "--ep", "2", *no_aux)
+    b = _train(tmp_path, 4, "single", 1, ckpt, *no_aux)
+    assert a["topology"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2, "ep": 2}
+    assert b["resumed_from_step"] == 2
+    assert a["losses"] + b["losses"][2:] == pytest.approx(ref["losses"], rel=1e-4)
+    assert b["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5)
+    # the expert counts of the last step, summed over dp x tp: every routed assignment once
+    assert sum(a["moe"]["tokens_per_expert"][0]) == 8 * 32 * 2
