@@ -149,3 +149,31 @@ def test_moe_every_and_refusals() -> None:
     with pytest.raises(ConfigError, match="capacity_factor"):
         LlamaConfig(n_experts=4, capacity_factor=-1.0)
     assert math.isfinite(count_params(CFG))
+
+
+def test_fsdp_tp_ep_preset_and_refusals() -> None:
+    """``fsdp+tp+ep``: tp 2 and ep 2 by default, ep borrowed from dp_shard x tp; refused before launch without
+    sequence parallelism, with the sequence-level aux loss, and an MoE model under a TP strategy without ep is
+    pointed at it."""
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import get_strategy
+    from paratrain.spec.refusals import check
+
+    topo = check("fsdp+tp+ep", 4, StrategyConfig(name="fsdp+tp+ep"))
+    assert (topo.dp_shard, topo.tp, topo.ep) == (2, 2, 2)
+    assert check("fsdp+tp+ep", 8, StrategyConfig(name="fsdp+tp+ep", ep=8)).ep == 8
+    with pytest.raises(ConfigError, match="does not divide the 8 data-parallel ranks"):
+        check("fsdp+tp+ep", 8, StrategyConfig(name="fsdp+tp+ep", ep=3))
+    with pytest.raises(ConfigError, match="--no-sequence-parallel would give every tp rank the same tokens"):
+        check("fsdp+tp+ep", 4, StrategyConfig(name="fsdp+tp+ep", sequence_parallel=False))
+    with torch.device("meta"):
+        model = build_llama("llama-moe-debug", {"aux_loss_coef": 0.0})
+        aux = build_llama("llama-moe-debug", {"aux_loss_coef": 0.01})
+    cls = get_strategy("fsdp+tp+ep")
+    cls.check_model(model, 4, StrategyConfig(name="fsdp+tp+ep"))
+    with pytest.raises(ConfigError, match="aux_loss_coef=0.01: the sequence-level balance loss needs whole"):
+        cls.check_model(aux, 4, StrategyConfig(name="fsdp+tp+ep"))
+    with pytest.raises(
+        ConfigError, match=r"'fsdp\+tp' does not split MoE layers.*Use --strategy fsdp\+tp\+ep"
+    ):
+        get_strategy("fsdp+tp").check_model(model, 4, StrategyConfig(name="fsdp+tp"))
