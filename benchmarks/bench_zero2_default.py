@@ -3,8 +3,10 @@
 ``paratrain train`` as a user runs it (3 CPU ranks, Gloo, fp32 AdamW, ``--bucket-cap-mb`` left at its
 default), on an MLP 64 → 2048×5 → 10 (Ψ = 16,939,018), per-rank batch 8, 3 steps; the figure is the
 summary's ``peak_bytes_per_rank`` (MemTracker over one step). Also stored: the formula's terms, with the
-largest bucket's full-size send buffer as "one bucket", and Gloo's own copy of the bucket being reduced
-(its CPU reduce-scatter copies the input), which the formula leaves out.
+largest bucket's full-size send buffer as "one bucket" (activations: under 0.6 MB at this batch, left out),
+and the planner's predicted peak for the same run. Records with ``"reduce": "all_reduce in place"`` measure
+the bucket all-reduced in place on Gloo (no copy of it) and one all-gather buffer at a time; the first
+record, without it, measured Gloo's reduce-scatter (a copy of the bucket) and two gather buffers.
 
     python benchmarks/bench_zero2_default.py --json   # appends a run to benchmarks/results/zero2_default.json
 """
@@ -33,6 +35,16 @@ def _train(strategy: str, run_dir: str) -> dict[str, Any]:
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _planned_peak() -> float:
+    """``paratrain plan``'s peak per rank for the run (the launch guard plans an MLP by its states only)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "paratrain", "plan", *MODEL, "--strategy", "zero2", "--nproc-per-node", str(RANKS),
+         "--cluster", "cpu-local", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["plans"][0]["bytes_per_rank"]["peak"])
 
 
 def _largest_bucket_bytes() -> float:
@@ -82,13 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         "one_bucket_bytes": bucket,
         "formula_4psi_12psi_over_n_bucket": formula,
         "zero2_over_formula": peak / formula,
-        "zero2_over_formula_with_gloo_copy": peak / (formula + bucket),
+        "reduce": "all_reduce in place",
+        "guard_predicted_peak_bytes": zero2.get("predicted_peak_bytes_per_rank"),  # states only (an MLP)
+        "planned_peak_bytes": _planned_peak(),
     }
     print(
         f"zero2 {peak / 1e6:.1f} MB, ddp {ddp['peak_bytes_per_rank'] / 1e6:.1f} MB "
         f"({record['zero2_over_ddp']:.2f}x); 4Ψ + 12Ψ/N + one bucket = {formula / 1e6:.1f} MB "
-        f"({record['zero2_over_formula']:.2f}x; with Gloo's copy of the bucket being reduced "
-        f"{record['zero2_over_formula_with_gloo_copy']:.2f}x)"
+        f"({record['zero2_over_formula']:.2f}x); paratrain plan {record['planned_peak_bytes'] / 1e6:.1f} MB"
     )
     if args.json:
         path = RESULTS / "zero2_default.json"

@@ -508,17 +508,27 @@ def test_ddp_and_zero_peak_moments_by_hand() -> None:
     assert ddp.total == 16 * psi + 2 * 4 * big + 4 * psi + 99
     zero1 = pk.peak(_step(states=mem.model_states(psi, n, "optimizer", d), psi=psi, sharding="optimizer", n=n, dp=n,
                           largest_tensor=big / n, batch=99.0))  # fmt: skip
-    # step() waits for the reduce-scatter: full grads, the send buffer, Gloo's copy of it, the reduced shard
+    # step() waits for the reduce-scatter: full grads, the send buffer (all-reduced in place on Gloo: no copy of
+    # it), the reduced shard
     assert zero1.phase == "step() waits for the reduce-scatters"
-    assert zero1.total == (8 * psi + 8 * psi / n) + 4 * psi + 4 * psi + 4 * psi / n + 99
+    assert zero1.total == (8 * psi + 8 * psi / n) + 4 * psi + 4 * psi / n + 99
+    # zero2 on 3 ranks, 3 buckets of two 2048x2048 layers (the MLP of tests/dist/test_zero2_peak.py, whose
+    # measured peak is 175.1 MB): its first gradient packed into the second bucket's send buffer is the peak
+    psi3, big3, cap = 16939018.0, 2048 * 2048, 25 * 2**20
+    zero2 = pk.peak(_step(states=mem.model_states(psi3, 3, "grads", d), psi=psi3, sharding="grads", n=3, dp=3,
+                          largest_tensor=big3 / 3, bucket_bytes=cap, batch=99.0))  # fmt: skip
+    assert zero2.phase == "zero2 packs a gradient during backward"
+    assert zero2.total == pytest.approx(4 * psi3 + 8 * psi3 / 3 + cap + 4 * big3 + 4 * psi3 / 3 - cap / 3)
+    # 0.97x: a real bucket closes at the first tensor past the cap (33.7 MB here, the plan counts the cap)
+    assert zero2.total / 175.1e6 == pytest.approx(1.0, abs=0.04)
     # a model of many 25 MiB buckets: zero2 keeps one send buffer (the next bucket waits for the previous
-    # reduction), zero1 up to 2 in flight; Gloo copies the one being reduced (CPU only)
+    # reduction), zero1 up to 2 in flight
     huge = 1e9
     many = _step(
         states=mem.model_states(huge, 8, "grads", d), psi=huge, sharding="grads", n=8, dp=8, cpu=False
     )
     wait = {m.phase: m for m in pk.moments(many)}["step() waits for the reduce-scatters"]
-    assert wait.terms["send buffers"] == 25 * 2**20 and "gloo reduce-scatter copy" not in wait.terms
+    assert wait.terms["send buffers"] == 25 * 2**20
     many1 = _step(
         states=mem.model_states(huge, 8, "optimizer", d), psi=huge, sharding="optimizer", n=8, dp=8, cpu=False
     )

@@ -23,7 +23,10 @@ rank-major so that one collective moves a whole bucket):
 
 1. gradients: ``reduce_scatter`` (sum, then / N) of each bucket, launched *during backward*, async, from a
    post-accumulate-grad hook as soon as the last gradient of a bucket is ready; backward keeps computing
-   while Gloo/NCCL reduces. Rank r receives the global mean gradient of exactly the rows it owns.
+   while Gloo/NCCL reduces. Rank r receives the global mean gradient of exactly the rows it owns. On Gloo
+   the bucket is all-reduced in place and rank r copies its rows out when the reduction is retired: Gloo's
+   ``reduce_scatter_tensor`` is itself an all-reduce of a clone of its input, so this moves the same bytes
+   without a second full-size buffer.
 
    - ``zero1``: the full local gradients stay in ``p.grad`` (ZeRO-1 keeps 4Ψ of gradients); the reduced
      rows are a transient buffer, dropped after ``step()``.
@@ -34,8 +37,9 @@ rank-major so that one collective moves a whole bucket):
      that have completed (``is_completed()``), and a bucket's first gradient waits for the previous
      bucket's reduction before its send buffer is allocated. So one full-size send buffer exists at a
      time: zero2's gradient memory peaks at one bucket, the 4Ψ/N shard and one fresh gradient, and the
-     step's at 4Ψ + 12Ψ/N + one bucket (the reduction of a bucket overlaps the backward of the first
-     gradient of the next, and its own filling with nothing: memory over overlap, as ZeRO-2 promises).
+     step's at 4Ψ + 12Ψ/N + one bucket + activations, within 10% (the reduction of a bucket overlaps the
+     backward of the first gradient of the next, and its own filling with nothing: memory over overlap, as
+     ZeRO-2 promises; ``tests/dist/test_zero2_peak.py``).
    - ``zero1``: a bucket is packed when its last gradient is ready; its send buffer lives while its
      reduction runs, ``MAX_IN_FLIGHT`` at most (the oldest is waited for).
 
@@ -150,6 +154,7 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         ]
         self.optim = clone_optimizer(optimizer, inner_groups)
         self._in_flight: deque[_Bucket] = deque()  # launched reduce-scatters, oldest first
+        self._on_gloo: bool | None = None  # known at the first reduction (the gradients' device)
         self.shm: Any = None
         self._executor: ThreadPoolExecutor | None = None
         if comm_algorithm == "shm" and self.world > 1:  # collective: every rank of the group creates it
@@ -211,12 +216,25 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
             if self.shard_gradients:
                 s.param.grad = None  # ZeRO-2: the full gradient is freed once it is in the send buffer
         b.grad = torch.empty(b.segment, dtype=first.dtype, device=first.device)
+        b.in_place = False
         if self.shm is not None and self._executor is not None:
             b.work = _ThreadWork(self._executor.submit(self.shm.reduce_scatter, b.grad, send, "sum"))
+        elif self._gloo(send):
+            # Gloo's reduce_scatter_tensor all-reduces a clone of its input and copies out the rank's rows: the
+            # same all-reduce run in place on the send buffer moves the same bytes without the clone, one full
+            # bucket less at the peak. This rank's rows are copied out of it when the reduction is retired.
+            b.work = dist.all_reduce(send, group=self.group, async_op=True)
+            b.in_place = True
         else:
             b.work = dist.reduce_scatter_single(b.grad, send, group=self.group, async_op=True)
         b.send = send  # must outlive the asynchronous collective; freed by _retire
         self._in_flight.append(b)
+
+    def _gloo(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s collectives on this group run on Gloo (a CPU tensor of a Gloo group)."""
+        if self._on_gloo is None:
+            self._on_gloo = t.device.type == "cpu" and "gloo" in str(dist.get_backend(self.group)).lower()
+        return self._on_gloo
 
     def _retire(self, keep: int) -> None:
         """Finish the oldest reductions until at most ``keep`` are in flight, and any that already
@@ -224,6 +242,8 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0].work.is_completed()):
             b = self._in_flight.popleft()
             b.work.wait()
+            if b.in_place:  # the all-reduced bucket: keep this rank's rows, free the rest
+                b.grad.copy_(b.send[self.rank * b.segment : (self.rank + 1) * b.segment])  # type: ignore[union-attr,index]
             b.work, b.send = None, None
             b.grad.div_(self.world)  # type: ignore[union-attr]  # sum -> mean, once per step
 
@@ -287,17 +307,23 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         # At most MAX_IN_FLIGHT gathers (and their full-size buffers) at once, one for zero2 (its peak is
         # one bucket): the oldest is waited for and unpacked into the parameters before the next starts.
         in_flight = 1 if self.shard_gradients else MAX_IN_FLIGHT
-        pending: deque[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = deque()
+        pending: deque[tuple[_Bucket, torch.Tensor, Any]] = deque()
         for i, b in enumerate(self.buckets):
-            full, mine = self._gather_buffers(b)
-            pending.append(
-                (b, full, mine, dist.all_gather_single(full, mine, group=self.group, async_op=True))
-            )
+            pending.append(self._launch_gather(b))
             while pending and (len(pending) >= in_flight or i == len(self.buckets) - 1):
-                done, full, _mine, work = pending.popleft()
-                work.wait()
-                for s in done.slots:
-                    self._unpack(self._rank_major(full, done, s), s.param.data.view(-1), s)
+                self._finish_gather(*pending.popleft())
+
+    def _launch_gather(self, b: _Bucket) -> tuple[_Bucket, torch.Tensor, Any]:
+        full, mine = self._gather_buffers(b)
+        return b, full, dist.all_gather_single(full, mine, group=self.group, async_op=True)
+
+    def _finish_gather(self, b: _Bucket, full: torch.Tensor, work: Any) -> None:
+        """Wait for bucket ``b``'s all-gather and copy it into the parameters. Nothing references its buffer
+        once this returns (no loop variable of the caller's), so it is freed before the next bucket's is
+        allocated."""
+        work.wait()
+        for s in b.slots:
+            self._unpack(self._rank_major(full, b, s), s.param.data.view(-1), s)
 
     def _gather_buffers(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """(the full rank-major output, this rank's segment of it holding its updated rows) of bucket ``b``:

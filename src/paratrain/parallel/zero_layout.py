@@ -44,6 +44,7 @@ class _Bucket:
     send: torch.Tensor | None = None  # reduce-scatter input, kept alive until the work finishes
     grad: torch.Tensor | None = None  # reduced gradient of this rank's segment (after wait: mean)
     reduced: bool = False
+    in_place: bool = False  # all-reduced in ``send`` (Gloo): this rank's rows are copied out of it
 
 
 class ShardLayout:

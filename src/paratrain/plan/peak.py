@@ -34,7 +34,13 @@ the peak is the largest of them:
 3. **ZeRO-1/2: ``step()`` waits for the reduce-scatters** (``parallel/zero.py``) launched during backward: full
    gradients (ZeRO-1; ZeRO-2 frees each gradient in its own hook, once it is in the send buffer), the send
    buffers of at most ``MAX_IN_FLIGHT`` = 2 buckets (ZeRO-2: one, the next bucket waits for the previous
-   reduction), Gloo's copy of the one being reduced, and the reduced shard Ψ/N. The activations are gone.
+   reduction), and the reduced shard Ψ/N. The activations are gone. On Gloo the bucket is all-reduced in
+   place (Gloo's reduce-scatter would all-reduce a copy of it), so no second full-size buffer exists.
+3b. **ZeRO-2: a bucket's first gradient is packed during backward**: one send buffer, the gradient being
+   packed (the largest tensor, in full), and the shards of the buckets reduced before it (Ψ/N less this
+   bucket's). The activations of the layers not back-propagated yet are left out (backward's start counts
+   them all). Measured (``tests/dist/test_zero2_peak.py``): this moment is zero2's peak on an MLP of 25 MiB
+   buckets, 1.03× 4Ψ + 12Ψ/N + one bucket.
 4. **The optimizer update.** States with the gradients the step reads, DDP's buckets, ZeRO-1's reduced shard,
    and the optimizer's temporaries. torch's Adam/AdamW on CPU runs the single-tensor loop: ``exp_avg_sq.sqrt()``
    and its quotient are two temporaries of one parameter's size (2 × the largest local tensor). On CUDA it
@@ -226,9 +232,13 @@ def moments(s: StepShape) -> list[Peak]:
         send = min(s.psi * g, (1 if s.sharding == "grads" else MAX_IN_FLIGHT) * s.bucket_bytes)
         wait = {**base, "grads": st.grads if s.sharding == "optimizer" else 0.0, "send buffers": send,
                 "reduced shard": s.psi * g / n, "batch": s.batch}  # fmt: skip
-        if s.cpu:
-            wait["gloo reduce-scatter copy"] = min(s.psi * g, s.bucket_bytes)
         out.append(Peak("step() waits for the reduce-scatters", wait))
+        if s.sharding == "grads":
+            # a bucket's first gradient is packed into its new send buffer: the previous buckets' shards are
+            # reduced, this one's not yet
+            out.append(Peak("zero2 packs a gradient during backward", {**base, "send buffers": send,
+                            "gradient being packed": s.largest_tensor * n * g,
+                            "reduced shard": max(0.0, s.psi * g / n - send / n)}))  # fmt: skip
     update = {
         **base,
         "grads": st.grads * dev,
