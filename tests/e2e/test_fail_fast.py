@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, run_cli
+from tests.conftest import cli_env
 
 pytestmark = pytest.mark.e2e
 
@@ -141,14 +141,73 @@ def _environ(pid: int) -> list[bytes]:
         return f.read().split(b"\0")
 
 
+NAN_MODEL = """
+import os
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, features, classes):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(features, classes), 0
+
+    def forward(self, x):
+        self.calls += self.training
+        out = self.fc(x)
+        if self.training and self.calls == 3 and os.environ.get("RANK") == "1":
+            out = out * float("nan")  # this rank's third training step diverges
+        return out
+
+
+def build(input_shape, num_outputs):
+    return Net(input_shape[0], num_outputs)
+"""
+
+
 @pytest.mark.timeout(180)
-def test_nonfinite_loss_is_not_restarted(tmp_path: Path) -> None:
-    # a restart resumes from the same checkpoint and diverges the same way: the job ends at the first failure
-    proc = run_cli("train", *MLP, "--lr", "1e30", "--steps", "20", "--nproc-per-node", "2", "--max-restarts", "3",
-                   "--run-dir", str(tmp_path / "r"), cwd=tmp_path, check=False)  # fmt: skip
-    assert proc.returncode != 0
-    err = proc.stderr
-    assert "not restarted (--max-restarts 3 left unused): non-finite values" in err, err
-    assert "NonFiniteError: non-finite loss or gradient at step" in err, err
-    assert "restart(s) by the elastic agent" not in err, err
-    assert "Traceback" not in err, err
+def test_nonfinite_loss_on_one_rank_ends_both_agents_without_restart(tmp_path: Path) -> None:
+    # a restart resumes from the same checkpoint and diverges the same way: a two-node job (one agent per node,
+    # over loopback) whose rank 1 alone sees a NaN loss ends on both nodes at the first failure, each with the
+    # one report, and no agent waits in a rendezvous for the other
+    from paratrain.testing import free_port
+
+    (tmp_path / "nanmodel.py").write_text(NAN_MODEL)
+    common = ["-m", "paratrain", "train", "--model", "nanmodel:build", "--data", "synthetic-classification",
+              "--batch-size", "16", "--optimizer", "sgd", "--steps", "20", "--max-restarts", "3", "--nnodes", "2",
+              "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "nan-two-agents",
+              "--run-dir", str(tmp_path / "r")]  # fmt: skip
+    t0 = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *common, "--node-rank", str(r)],
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    ended: list[float] = []
+    errs: list[str] = []
+    try:
+        for p in procs:
+            _out, err = p.communicate(timeout=150)
+            ended.append(time.monotonic() - t0)
+            errs.append(err)
+    finally:
+        for p in procs:
+            p.kill()
+    for p, err in zip(procs, errs, strict=True):
+        assert p.returncode != 0, err
+        # one report per node
+        assert err.count("not restarted (--max-restarts 3 left unused): non-finite values") == 1, err
+        # rank 1's NaN loss reaches rank 0 too through the gradients' all-reduce: both ranks name both
+        report = "failed: NonFiniteError: non-finite loss or gradient at step 3 on ranks [0, 1]"
+        assert err.count(report) == 1, err
+        assert "restart(s) by the elastic agent" not in err, err
+        assert "Traceback" not in err, err
+    # the node of the rank that saw it says so
+    assert sum("(this rank's loss is nan)" in err for err in errs) == 1, errs
+    # together: neither agent restarted its worker and then waited in a rendezvous for the other
+    assert abs(ended[0] - ended[1]) < 5, (ended, errs)
