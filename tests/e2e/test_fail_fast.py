@@ -144,6 +144,7 @@ def _environ(pid: int) -> list[bytes]:
 NAN_MODEL = """
 import os
 from torch import nn
+from paratrain.errors import ConfigError
 
 
 class Net(nn.Module):
@@ -155,6 +156,8 @@ class Net(nn.Module):
         self.calls += self.training
         out = self.fc(x)
         if self.training and self.calls == 3 and os.environ.get("RANK") == "1":
+            if os.environ.get("FAIL_WITH") == "config":  # rank 1 alone fails for good: no agreement first
+                raise ConfigError("refused on rank 1 only")
             out = out * float("nan")  # this rank's third training step diverges
         return out
 
@@ -176,12 +179,46 @@ def test_nonfinite_loss_on_one_rank_ends_both_agents_without_restart(tmp_path: P
               "--batch-size", "16", "--optimizer", "sgd", "--steps", "20", "--max-restarts", "3", "--nnodes", "2",
               "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "nan-two-agents",
               "--run-dir", str(tmp_path / "r")]  # fmt: skip
+    errs = _two_agents(tmp_path, common, {})
+    for err in errs:
+        # one report per node
+        assert err.count("not restarted (--max-restarts 3 left unused): non-finite values") == 1, err
+        # rank 1's NaN loss reaches rank 0 too through the gradients' all-reduce: both ranks name both
+        report = "failed: NonFiniteError: non-finite loss or gradient at step 3 on ranks [0, 1]"
+        assert err.count(report) == 1, err
+    # the node of the rank that saw it says so
+    assert sum("(this rank's loss is nan)" in err for err in errs) == 1, errs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_failure_for_good_on_one_node_ends_the_other_with_its_report(tmp_path: Path) -> None:
+    # rank 1 alone refuses (no agreement between the ranks): its node ends with the report and leaves it in the
+    # rendezvous store; the other node's agent, whose worker lost its peer, reads it instead of restarting
+    from paratrain.testing import free_port
+
+    (tmp_path / "nanmodel.py").write_text(NAN_MODEL)
+    common = ["-m", "paratrain", "train", "--model", "nanmodel:build", "--data", "synthetic-classification",
+              "--batch-size", "16", "--optimizer", "sgd", "--steps", "20", "--max-restarts", "3", "--nnodes", "2",
+              "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "cfg-two-agents",
+              "--run-dir", str(tmp_path / "r")]  # fmt: skip
+    errs = _two_agents(tmp_path, common, {"FAIL_WITH": "config"})
+    own = [e for e in errs if "paratrain train: rank 1 failed: ConfigError: refused on rank 1 only" in e]
+    other = [e for e in errs if "paratrain train: on another node: rank 1 failed: ConfigError" in e]
+    assert len(own) == len(other) == 1, errs
+    for err in errs:
+        assert err.count("not restarted (--max-restarts 3 left unused): a refused configuration") == 1, err
+
+
+def _two_agents(tmp_path: Path, common: list[str], env: dict[str, str]) -> list[str]:
+    """Run the two agents of a two-node job (``--node-rank`` 0 and 1) to their end; their stderr. Both must
+    fail, without a restart or a traceback, within 5 s of each other (no agent waits in a rendezvous)."""
     t0 = time.monotonic()
     procs = [
         subprocess.Popen(
             [sys.executable, *common, "--node-rank", str(r)],
             cwd=tmp_path,
-            env=cli_env(),
+            env={**cli_env(), **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -200,14 +237,8 @@ def test_nonfinite_loss_on_one_rank_ends_both_agents_without_restart(tmp_path: P
             p.kill()
     for p, err in zip(procs, errs, strict=True):
         assert p.returncode != 0, err
-        # one report per node
-        assert err.count("not restarted (--max-restarts 3 left unused): non-finite values") == 1, err
-        # rank 1's NaN loss reaches rank 0 too through the gradients' all-reduce: both ranks name both
-        report = "failed: NonFiniteError: non-finite loss or gradient at step 3 on ranks [0, 1]"
-        assert err.count(report) == 1, err
         assert "restart(s) by the elastic agent" not in err, err
         assert "Traceback" not in err, err
-    # the node of the rank that saw it says so
-    assert sum("(this rank's loss is nan)" in err for err in errs) == 1, errs
     # together: neither agent restarted its worker and then waited in a rendezvous for the other
     assert abs(ended[0] - ended[1]) < 5, (ended, errs)
+    return errs

@@ -156,16 +156,38 @@ class GuardedRendezvous:
         self._inner, self._name, self._stop = inner, name, stop
         self._no_restart, self._max_restarts = no_restart, max_restarts
         self._rounds = 0
+        self._store: Any = None  # the last round's store, shared by every node's agent
 
     def next_rendezvous(self) -> Any:
         if self._stop.received is not None:
             raise self._stop.teardown(self._stop.received)
         report = no_restart_report(self._no_restart, self._max_restarts) if self._rounds else None
         if report is not None:
+            self._share(report)
             raise NoRestartError(report)
-        info = self._inner.next_rendezvous()
+        if self._rounds:
+            shared = self._shared()  # another node's worker failed in a way no restart can fix
+            if shared is not None:
+                raise NoRestartError(shared)
+        try:
+            info = self._inner.next_rendezvous()
+        except Exception as e:
+            # a node that ended the job closed the rendezvous, or took its store with it when it hosted it: say
+            # so once (with its report when it could be read) instead of torch's traceback
+            kind = type(e).__name__
+            if not self._rounds or kind not in ("RendezvousClosedError", "RendezvousConnectionError"):
+                raise
+            why = (
+                "closed the rendezvous" if kind == "RendezvousClosedError" else "hosted the rendezvous store"
+            )
+            raise NoRestartError(
+                self._shared()
+                or f"the job ended on another node (it {why}) after a worker failed; that node's log says why. "
+                "Not restarted."
+            ) from None
         self._rounds += 1
         store, rank = (info.store, info.rank) if hasattr(info, "store") else (info[0], info[1])
+        self._store = store
         if rank == 0:
             store.set(ROUND_KEY, f"{self._rounds - 1} {uuid.uuid4().hex[:12]}")
         count, token = store.get(ROUND_KEY).decode().split()  # waits for rank 0's
@@ -173,12 +195,44 @@ class GuardedRendezvous:
         os.environ["PARATRAIN_ROUND_KEY"] = f"{count}-{token}"
         return info
 
+    def num_nodes_waiting(self) -> int:
+        """torch's agent polls this while its workers run. A node that ended the job for good (and hosted the
+        rendezvous store, or closed the rendezvous) makes it fail: that is "no node waiting", and the agent
+        goes on to notice its own failed workers and to :meth:`next_rendezvous`, which reports it."""
+        try:
+            return int(self._inner.num_nodes_waiting())
+        except Exception as e:
+            if type(e).__name__ in ("RendezvousClosedError", "RendezvousConnectionError"):
+                return 0
+            raise
+
+    def _share(self, report: str) -> None:
+        """Put this node's no-restart report in the round's store, where the other nodes' agents look before
+        (and instead of) their next rendezvous; best effort (the store may be gone with its host)."""
+        try:
+            if self._store is not None:
+                self._store.set(NO_RESTART_KEY, f"on another node: {report}")
+        except Exception:  # a lost store only loses the other nodes' clearer message
+            pass
+
+    def _shared(self) -> str | None:
+        """Another node's no-restart report from the last round's store, or ``None``."""
+        try:
+            if self._store is not None and self._store.check([NO_RESTART_KEY]):
+                return bytes(self._store.get(NO_RESTART_KEY)).decode()
+        except Exception:  # its host has exited: nothing to read
+            pass
+        return None
+
     def get_backend(self) -> str:
         return self._name
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._inner, attr)
 
+
+NO_RESTART_KEY = "paratrain/no_restart"
+"""Key of a round's store where the agent of a node whose worker failed for good leaves its report."""
 
 ROUND_KEY = "paratrain/round"
 """Key of the round's store (prefixed per round by torch's c10d rendezvous) that rank 0 writes the attempt to."""
