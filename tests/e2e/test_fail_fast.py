@@ -141,6 +141,7 @@ def _environ(pid: int) -> list[bytes]:
         return f.read().split(b"\0")
 
 
+@pytest.mark.slow  # the default tier asserts the same run in test_hostile.py::test_diverging_lr_stops_...
 @pytest.mark.timeout(180)
 def test_nonfinite_loss_is_not_restarted(tmp_path: Path) -> None:
     # a restart resumes from the same checkpoint and diverges the same way: the job ends at the first failure
