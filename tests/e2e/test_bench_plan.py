@@ -18,14 +18,15 @@ from tests.conftest import REPO
 def test_bench_plan_one_rank_row_meets_its_targets_and_has_no_allocator_figure_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_plan.py"), "--nproc", "1", "--models", "mlp",
-           "--strategies", "ddp", "zero3", "--steps", "3", "--device", "cpu", "--json", str(out)]  # fmt: skip
+           "--strategies", "zero3", "--steps", "3", "--device", "cpu", "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           timeout=170, check=False, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["gpu"] is None
     rows = {r["strategy"]: r for r in doc["rows"]}
-    assert set(rows) == {"ddp", "zero3"}, rows.keys()
+    # one row (one training run): at one rank ddp's row would measure the same unsharded state again
+    assert set(rows) == {"zero3"}, rows.keys()
     for name, row in rows.items():
         assert "error" not in row, (name, row.get("error"))
         assert row["num_params"] == 26122  # the digits MLP: 64 -> 128 -> 128 -> 10

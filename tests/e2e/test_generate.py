@@ -16,14 +16,21 @@ pytestmark = [pytest.mark.e2e]
 
 
 @pytest.mark.timeout(240)
-def test_generate_from_a_two_rank_zero3_checkpoint(tmp_path: Path) -> None:
+def test_generate_from_a_two_rank_zero3_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "lm"
     run_cli("train", "--model", "llama-debug", "--data", "python-stdlib", "--set", "data.max_bytes=50000",
             "--seq-len", "32", "--steps", "2", "--batch-size", "4", "--strategy", "zero3", "--nproc-per-node", "2",
             "--run-dir", str(run), cwd=tmp_path, timeout=200)  # fmt: skip
     args = ["generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--json"]
     a = json.loads(run_cli(*args, cwd=tmp_path).stdout.strip().splitlines()[-1])
-    b = json.loads(run_cli(*args, cwd=tmp_path).stdout.strip().splitlines()[-1])
+    # the second sample from paratrain.cli.main in this process (no second interpreter and torch start)
+    from paratrain.cli import main
+
+    capsys.readouterr()
+    assert main(args) == 0
+    b = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert a["checkpoint"].endswith("step_00000002") and a["step"] == 2 and a["model"] == "llama-debug"
     assert a["new_tokens"] == 8 and a["text"] == b["text"]  # same seed, same sample
 

@@ -31,13 +31,19 @@ def _no_traceback(text: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_diverging_lr_stops_with_nonzero_exit_naming_step_and_parameter(tmp_path: Path) -> None:
-    proc = run_cli("train", *MLP, "--lr", "1e30", "--steps", "20", "--run-dir", str(tmp_path / "r"),
-                   cwd=tmp_path, check=False)  # fmt: skip
+    # with restarts left: a restart would resume from the same checkpoint and diverge the same way, so the
+    # job ends at the first failure (this run is also tests/e2e/test_fail_fast.py's non-finite case)
+    proc = run_cli("train", *MLP, "--lr", "1e30", "--steps", "20", "--nproc-per-node", "2", "--max-restarts", "3",
+                   "--run-dir", str(tmp_path / "r"), cwd=tmp_path, check=False)  # fmt: skip
     assert proc.returncode != 0
     err = proc.stderr
     assert "non-finite loss or gradient at step" in err, err
     assert "first non-finite parameter gradient: blocks." in err, err  # named without DDP's "module."
     assert not (tmp_path / "r" / "summary.json").exists()
+    assert "not restarted (--max-restarts 3 left unused): non-finite values" in err, err
+    assert "NonFiniteError: non-finite loss or gradient at step" in err, err
+    assert "restart(s) by the elastic agent" not in err, err
+    _no_traceback(err)
 
 
 @pytest.mark.timeout(120)

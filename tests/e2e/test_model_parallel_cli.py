@@ -94,7 +94,9 @@ BAD = {
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_model_parallel_input_fails_before_launch(tmp_path: Path, case: str) -> None:
+def test_bad_model_parallel_input_fails_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
     args, message = BAD[case]
     base = [
         "--model",
@@ -107,11 +109,22 @@ def test_bad_model_parallel_input_fails_before_launch(tmp_path: Path, case: str)
         "2",
     ]
     t0 = time.monotonic()
-    proc = run_cli("train", *base, *args, cwd=tmp_path, timeout=80, check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr and "rank" not in proc.stderr.split(message)[0]
-    assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1, proc.stderr
+    if case == "heads":  # as a user runs it, a subprocess
+        proc = run_cli("train", *base, *args, cwd=tmp_path, timeout=80, check=False)
+        rc, err = proc.returncode, proc.stderr
+    else:  # the same refusal from paratrain.cli.main in this process: no interpreter and torch start each
+        from paratrain.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        try:
+            rc = main(["train", *base, *args])
+        except SystemExit as e:  # argparse's refusals
+            rc = e.code
+        err = capsys.readouterr().err
+    assert rc == 2, err
+    assert message in err
+    assert "Traceback" not in err and "rank" not in err.split(message)[0]
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
     assert not (tmp_path / "runs").exists()  # no run directory: nothing was launched
     assert time.monotonic() - t0 < 60
 

@@ -5,6 +5,7 @@ another number of experts is refused before launch, naming both counts."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,14 @@ def test_ep2_to_ep4_to_single_continues_the_single_curve(tmp_path: Path) -> None
 
 @pytest.mark.timeout(600)
 def test_same_layout_resume_is_bit_exact_and_wrong_expert_count_refused(tmp_path: Path) -> None:
-    whole = _train(tmp_path, 4, "ep", 2, None)
+    # The uninterrupted run also saves step 2; the resume starts from a copy that holds only that step
+    # (one launch fewer than training 2 steps apart).
+    whole = _train(tmp_path, 4, "ep", 2, tmp_path / "whole", "--ckpt-every", "2")
     ckpt = tmp_path / "ckpt"
-    _train(tmp_path, 2, "ep", 2, ckpt)
+    shutil.copytree(tmp_path / "whole", ckpt)
+    shutil.rmtree(ckpt / "step_00000004")
+    assert (ckpt / "latest").read_text().strip() == "step_00000004"
+    (ckpt / "latest").write_text("step_00000002\n")
     resumed = _train(tmp_path, 4, "ep", 2, ckpt)
     assert resumed["resumed_from_step"] == 2
     assert resumed["param_sha256"] == whole["param_sha256"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +120,38 @@ def test_truncated_skipped_world_size_change_and_foreign_model_refused(tmp_path:
     assert {k: v.shape for k, v in load_file(str(exported)).items()} == expect
 
 
+TINY = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
+        "--batch-size", "16", "--nproc-per-node", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One finished 4-step run with checkpoints at steps 2 and 4, trained once for the tests below; each
+    test works on its own copy (:func:`_copy`), so none sees another's edits."""
+    root = tmp_path_factory.mktemp("tiny")
+    run_cli("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--run-dir", str(root / "a"), cwd=root)
+    assert (root / "a" / "checkpoints" / "step_00000002").is_dir()
+    return root / "a"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "a")
+    return tmp_path / "a"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mistake", ["ckpt-dir is a step directory", "latest is a directory"])
-def test_checkpoint_directory_mistakes_are_refused_before_launch(tmp_path: Path, mistake: str) -> None:
-    tiny = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
-            "--batch-size", "16", "--nproc-per-node", "1"]  # fmt: skip
-    run_cli("train", *tiny, "--steps", "2", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
-    step = tmp_path / "a" / "checkpoints" / "step_00000002"
+def test_checkpoint_directory_mistakes_are_refused_before_launch(
+    tmp_path: Path, mistake: str, tiny_run: Path
+) -> None:
+    step = _copy(tiny_run, tmp_path) / "checkpoints" / "step_00000004"
     before = sorted(p.name for p in step.rglob("*"))
     if mistake == "ckpt-dir is a step directory":
         args, expect = ["--ckpt-dir", str(step)], f"to resume from it use --resume {step}"
     else:
         (tmp_path / "b" / "checkpoints" / "latest").mkdir(parents=True)
         args, expect = [], "latest is a directory"
-    proc = run_cli("train", *tiny, "--steps", "2", "--run-dir", str(tmp_path / "b"), *args, cwd=tmp_path,
+    proc = run_cli("train", *TINY, "--steps", "2", "--run-dir", str(tmp_path / "b"), *args, cwd=tmp_path,
                    check=False)  # fmt: skip
     assert proc.returncode == 2 and expect in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "process(es)" not in proc.stderr  # refused before the workers were launched
@@ -141,13 +160,10 @@ def test_checkpoint_directory_mistakes_are_refused_before_launch(tmp_path: Path,
 
 
 @pytest.mark.timeout(120)
-def test_dataset_change_on_resume_is_refused_before_launch(tmp_path: Path) -> None:
-    tiny = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
-            "--batch-size", "16", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "a")]  # fmt: skip
-    run_cli("train", *tiny, "--steps", "2", cwd=tmp_path)
-    proc = run_cli(
-        "train", *tiny, "--steps", "4", "--set", "data.test_fraction=0.5", cwd=tmp_path, check=False
-    )
+def test_dataset_change_on_resume_is_refused_before_launch(tmp_path: Path, tiny_run: Path) -> None:
+    run = _copy(tiny_run, tmp_path)
+    proc = run_cli("train", *TINY, "--run-dir", str(run), "--steps", "6", "--set", "data.test_fraction=0.5",
+                   cwd=tmp_path, check=False)  # fmt: skip
     lines = [ln for ln in proc.stderr.splitlines() if "paratrain" in ln]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "process(es)" not in proc.stderr and len(lines) == 1, proc.stderr  # one line, before any launch
@@ -155,16 +171,15 @@ def test_dataset_change_on_resume_is_refused_before_launch(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(120)
-def test_a_skipped_checkpoint_is_reported_once(tmp_path: Path) -> None:
+def test_a_skipped_checkpoint_is_reported_once(tmp_path: Path, tiny_run: Path) -> None:
     """The launcher reports a damaged checkpoint before launch; rank 0 does not print it a second time."""
-    tiny = ["--model", "mlp", "--data", "synthetic-classification", "--set", "data.num_samples=128",
-            "--batch-size", "16", "--nproc-per-node", "1", "--ckpt-every", "2", "--run-dir", str(tmp_path / "a")]  # fmt: skip
-    run_cli("train", *tiny, "--steps", "4", cwd=tmp_path)
-    shard = tmp_path / "a" / "checkpoints" / "step_00000004" / "__0_0.distcp"
+    run = _copy(tiny_run, tmp_path)
+    shard = run / "checkpoints" / "step_00000004" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    proc = run_cli("train", *tiny, "--steps", "6", "--json", cwd=tmp_path)
+    proc = run_cli("train", *TINY, "--ckpt-every", "2", "--run-dir", str(run), "--steps", "6", "--json",
+                   cwd=tmp_path)  # fmt: skip
     assert last_json(proc.stdout)["resumed_from_step"] == 2
     skips = [ln for ln in proc.stderr.splitlines() if "skipping checkpoint" in ln]
     assert len(skips) == 1 and "step_00000004: __0_0.distcp does not match its checksum" in skips[0], (

@@ -109,8 +109,33 @@ _TEXT = ("--data", "python-stdlib", "--set", "data.max_bytes=20000", "--seq-len"
         (("--model", "llama2-7b", *_TEXT), "'llama2-7b' (6.5B parameters) is a shape-only preset"),
     ],
 )
-def test_bad_input_fails_before_start(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
-    _assert_rejected_fast(tmp_path, *args, needle=needle)
+def test_bad_input_fails_before_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+    needle: str,
+) -> None:  # fmt: skip
+    if args in _AS_A_USER:
+        _assert_rejected_fast(tmp_path, *args, needle=needle)
+        return
+    # The same refusal from ``paratrain.cli.main`` in this process (torch is imported already): the command
+    # line, the checks and the message are the CLI's; only the interpreter start is shared.
+    from paratrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    try:
+        rc = main(["train", *args])
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert needle in err, err
+    assert err.count("\n") <= 3, "one clear message, not a traceback"
+    assert not (tmp_path / "runs").exists(), "nothing may start (or be written) for a bad input"
+    assert time.monotonic() - t0 < 30
+
+
+# run as a user runs them (a subprocess each): one refused by the parser, one by the launcher's preflight
+_AS_A_USER = [("--strategy", "ddpp"), ("--model", "llama-debug", "--data", "digits")]
 
 
 @pytest.mark.e2e
