@@ -19,10 +19,15 @@ TEXT = (
 
 
 def config_for(arch: str, **over: Any) -> Any:
-    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2); dropout off."""
+    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt); dropout off."""
     import transformers as tf
 
     common = {"vocab_size": VOCAB, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    if arch == "opt":  # an architecture without a tensor-parallel plan in paratrain
+        kw = {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "max_position_embeddings": 128, "word_embed_proj_dim": 32, "dropout": 0.0, **common}  # fmt: skip
+        kw.update(over)
+        return tf.OPTConfig(**kw)
     if arch == "gpt2":
         kw = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128, "resid_pdrop": 0.0,
               "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}  # fmt: skip

@@ -158,13 +158,16 @@ def hf_dirs(tmp_path_factory: Any) -> dict[str, Path]:
 
 @pytest.mark.timeout(300)
 def test_hf_strategies_match_transformers_at_2_ranks(dist_run: Any, hf_dirs: dict[str, Path]) -> None:
-    """The default tier: ddp, zero3 (Llama and GPT-2), tp and pp on Llama, one spawn."""
+    """The default tier: ddp, zero3 (Llama and GPT-2), tp (Llama; GPT-2's fused q/k/v; Qwen3's per-head
+    norms under fsdp+tp) and pp on Llama, one spawn."""
     llama, gpt2 = str(hf_dirs["llama"]), str(hf_dirs["gpt2"])
     cases = [
         (llama, "ddp", {}),
         (llama, "zero3", {}),
         (gpt2, "zero3", {}),
         (llama, "tp", {}),
+        (gpt2, "tp", {}),
+        (str(hf_dirs["qwen3"]), "fsdp+tp", {"tp": 2}),
         (llama, "pp", {"pp_schedule": "gpipe"}),
     ]
     per_rank = dist_run(_all_cases, 2, cases, timeout_s=290)
@@ -180,6 +183,7 @@ def test_hf_architectures_match_transformers_at_2_ranks(dist_run: Any, hf_dirs: 
         (llama, "zero2", {}),
         (gpt2, "zero1", {}),
         (str(hf_dirs["qwen2"]), "tp", {"loss_parallel": True}),
+        (str(hf_dirs["qwen3"]), "tp", {"loss_parallel": True}),
         (str(hf_dirs["mistral"]), "fsdp+tp", {"tp": 2}),
         (gpt2, "pp", {"pp_schedule": "1f1b", "microbatches": 2}),
         (str(hf_dirs["qwen3"]), "pp", {"pp_schedule": "gpipe"}),
@@ -198,6 +202,7 @@ def test_hf_strategies_match_transformers_at_4_ranks(dist_run: Any, hf_dirs: dic
         (llama, "hsdp", {}),
         (gpt2, "ddp", {}),
         (llama, "fsdp+tp", {"tp": 2}),
+        (gpt2, "fsdp+tp", {"tp": 2}),
         (str(hf_dirs["qwen2"]), "fsdp+pp", {"pp": 2, "pp_schedule": "1f1b"}),
         (gpt2, "fsdp+pp", {"pp": 2, "pp_schedule": "gpipe"}),
     ]

@@ -21,7 +21,7 @@ def hf_root(tmp_path_factory: Any) -> Path:
 
     root = tmp_path_factory.mktemp("hfcli")
     make_hf_dir(root / "llama", "llama")
-    make_hf_dir(root / "gpt2", "gpt2")
+    make_hf_dir(root / "opt", "opt")
     (root / "corpus.txt").write_text(TEXT * 20)
     return root
 
@@ -52,9 +52,9 @@ def test_bad_directories_are_refused_before_launch(hf_root: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_model_parallel_refusals_name_the_model(hf_root: Path) -> None:
-    proc = _train(hf_root, "gpt2", "--strategy", "tp", "--nproc-per-node", "2", "--steps", "1", check=False)
+    proc = _train(hf_root, "opt", "--strategy", "tp", "--nproc-per-node", "2", "--steps", "1", check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "tensor parallelism (strategy tp" in proc.stderr and "GPT2LMHeadModel" in proc.stderr
+    assert "tensor parallelism (strategy tp" in proc.stderr and "OPTForCausalLM" in proc.stderr
     # 4 query heads, 2 key/value heads: --tp 4 cannot give each rank whole heads
     proc = _train(hf_root, "llama", "--strategy", "tp", "--nproc-per-node", "4", "--steps", "1", check=False)
     assert proc.returncode == 2, proc.stderr

@@ -8,15 +8,25 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 
-__all__ = ["DIR_ATTR", "HF_CLASS_ATTR", "PP_ARCHITECTURES", "TP_ARCHITECTURES", "architecture", "decoder_layers"]
+__all__ = [
+    "DIR_ATTR",
+    "HF_CLASS_ATTR",
+    "PP_ARCHITECTURES",
+    "TP_ARCHITECTURES",
+    "architecture",
+    "decoder_layers",
+]
 
 DIR_ATTR = "_paratrain_hf_dir"
 """Instance attribute: the directory whose weights the (meta) model still has to load."""
 HF_CLASS_ATTR = "_paratrain_hf_class"
 """Instance attribute: the original ``transformers`` class (for ``generate`` and export)."""
-TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-"""Architectures with a tensor-parallel plan (the config's ``base_model_tp_plan`` plus the head)."""
-PP_ARCHITECTURES = (*TP_ARCHITECTURES, "GPT2LMHeadModel")
+TP_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel"
+)  # fmt: skip
+"""Architectures with a tensor-parallel plan (the config's ``base_model_tp_plan``, GPT-2's own, plus the
+embedding and the head)."""
+PP_ARCHITECTURES = TP_ARCHITECTURES
 """Architectures that can be cut into pipeline stages."""
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.models.hf_arch import architecture, decoder_layers
+from paratrain.models.hf_tp import Conv1DColwise, Conv1DRowwise, GPT2FusedQKV, GradAllReduce
 from paratrain.models.llama_parallel import split_layers
 
 __all__ = ["check_pipeline", "check_tp", "pipeline_split", "refuse_tp", "stage_blocks", "tp_plan"]
@@ -36,6 +37,8 @@ def _heads(config: Any) -> tuple[int, int, int]:
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     ffn = int(getattr(config, "intermediate_size", 0) or 0)
+    if getattr(config, "model_type", "") == "gpt2":  # n_inner, else 4 * hidden
+        ffn = int(getattr(config, "n_inner", None) or 4 * int(config.hidden_size))
     return heads, kv, ffn
 
 
@@ -87,14 +90,32 @@ def _can_pipeline(model: nn.Module) -> bool:
 def _style(kind: str, arch: str, key: str) -> Any:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    custom: dict[str, type[Conv1DColwise | Conv1DRowwise | GPT2FusedQKV]] = {
+        "gpt2_attention": GPT2FusedQKV,
+        "conv1d_colwise": Conv1DColwise,
+        "conv1d_rowwise": Conv1DRowwise,
+    }
+    if kind in custom:
+        return custom[kind]()
     if kind == "colwise":
         return ColwiseParallel()
     if kind == "rowwise":
         return RowwiseParallel()
+    if kind == "replicated_with_grad_allreduce":
+        return GradAllReduce()
     raise ConfigError(
         f"{arch}'s tensor-parallel plan has {key!r}: {kind!r}, which paratrain does not translate (it takes "
-        "colwise and rowwise). Use a data-parallel strategy (ddp, zero3, hsdp) or pp for this model."
+        "colwise, rowwise and replicated_with_grad_allreduce). Use a data-parallel strategy (ddp, zero3, hsdp) or pp for this model."
     )
+
+
+_GPT2_PLAN = {
+    "h.*.attn": "gpt2_attention",
+    "h.*.mlp.c_fc": "conv1d_colwise",
+    "h.*.mlp.c_proj": "conv1d_rowwise",
+}
+"""GPT-2 has no ``base_model_tp_plan``: its fused q/k/v and ``Conv1D`` layers take the styles of
+:mod:`paratrain.models.hf_tp` (Megatron's split, as for Llama)."""
 
 
 def tp_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
@@ -105,6 +126,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bo
 
     arch = architecture(model)
     base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    if arch == "GPT2LMHeadModel":
+        base_plan = _GPT2_PLAN
     prefix = str(getattr(model, "base_model_prefix", "model"))
     patterns = [
         (re.compile("^" + re.escape(f"{prefix}.{key}").replace(r"\*", r"\d+") + "$"), kind, key)
