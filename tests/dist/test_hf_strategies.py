@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.dist]
 SEQ, BATCH, STEPS, LR = 16, 8, 4, 1e-2
 TOL = 1e-4
 LOGIT_TOL = 1e-5
+_BIG = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 8, "vocab_size": 2048}
+"""The load-memory model: 15.7 M parameters (63 MB fp32), each decoder layer 1.8 M (7 MB)."""
+SLACK = 6 * 2**20
+"""Memory a load may take beyond its shard and one block: DCP's read plan, Python objects, allocator slack."""
 
 
 def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +139,61 @@ def _segment(
 
 
 def _all_cases(
-    cases: list[tuple[str, str, dict[str, Any]]], then: tuple[Any, ...] | None = None
+    cases: list[tuple[str, str, dict[str, Any]]],
+    then: tuple[Any, ...] | None = None,
+    peak_dir: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every case, then (``then``: the arguments of one more :func:`_segment`) a checkpointed segment."""
+    """Every case, then (``then``: the arguments of one more :func:`_segment`) a checkpointed segment, then
+    (``peak_dir``) the memory of a zero3 load."""
     out = [_train(d, name, options) for d, name, options in cases]
-    return out + ([_segment(*then)] if then is not None else [])
+    out += [_segment(*then)] if then is not None else []
+    return out + ([_load_peak(peak_dir)] if peak_dir is not None else [])
+
+
+def _rss_anon() -> int:
+    """This process's resident anonymous memory in bytes (heap and anonymous mappings, not the page cache
+    of memory-mapped files), from ``/proc/self/status``."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def _load_peak(d: str) -> dict[str, Any]:
+    """Build hf:DIR on the meta device and set it up under zero3 (which allocates this rank's shard and reads
+    it from the files), sampling the resident memory each time DCP commits a slice it read (the shard written
+    so far plus the slice still alive) and once after."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from paratrain.config import ModelConfig
+    from paratrain.models import build_model
+    from paratrain.models.hf import decoder_layers
+    from paratrain.parallel import setup
+    from paratrain.runtime import init
+
+    model = build_model(ModelConfig(name=f"hf:{d}"), (SEQ,), 1)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)  # no optimizer state: only the weights are allocated
+    ctx = init(seed=None)
+    samples: list[int] = []
+    commit = DefaultLoadPlanner.commit_tensor
+
+    def sampling_commit(self: Any, read_item: Any, tensor: torch.Tensor) -> None:
+        samples.append(_rss_anon())
+        commit(self, read_item, tensor)
+
+    base = _rss_anon()
+    DefaultLoadPlanner.commit_tensor = sampling_commit  # type: ignore[method-assign]
+    try:
+        model, opt, _ = setup(model, opt, strategy="zero3", ctx=ctx)
+    finally:
+        DefaultLoadPlanner.commit_tensor = commit  # type: ignore[method-assign]
+    samples.append(_rss_anon())
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())  # type: ignore[operator]
+    return {"base": base, "peak": max(samples), "reads": len(samples) - 1, "shard": shard, "full": full,
+            "block": block, "largest": largest}  # fmt: skip
 
 
 def _check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
@@ -207,11 +261,25 @@ def test_hf_strategies_match_transformers_at_2_ranks(
     ]
     # and a checkpoint: GPT-2 under fsdp+tp (tp 2; c_attn whole per rank) trains 2 steps and saves, one process
     # loads it and trains 2 more: the 4-step reference's losses and parameters
+    from tests._hf_models import make_hf_dir
+
     root = str(tmp_path / "ckpt")
     then = (gpt2, "fsdp+tp", {"tp": 2}, range(0, 2), root)
-    per_rank = dist_run(_all_cases, 2, cases, then, timeout_s=290)
+    # and the memory of a sharded load: a 63 MB Llama (8 layers of 7 MB) under zero3 on 2 ranks
+    big = make_hf_dir(tmp_path / "big", "llama", shard="20MB", **_BIG)
+    per_rank = dist_run(_all_cases, 2, cases, then, str(big), timeout_s=290)
     _check(cases, [rows[: len(cases)] for rows in per_rank])
-    a = per_rank[0][-1]
+    for rank, rows in enumerate(per_rank):
+        m = rows[-1]
+        grew, bound = m["peak"] - m["base"], m["shard"] + max(m["block"], m["largest"]) + SLACK
+        assert m["reads"] > 0 and m["shard"] * 2 == m["full"], m
+        # the bound is under the whole model, so a rank that materialised it would fail
+        assert bound < m["full"] and m["shard"] * 0.9 <= grew <= bound, (
+            f"rank {rank}: a zero3 load grew the resident memory by {grew / 2**20:.1f} MiB; its shard is "
+            f"{m['shard'] / 2**20:.1f} MiB, one decoder layer {m['block'] / 2**20:.1f} MiB, the model "
+            f"{m['full'] / 2**20:.1f} MiB"
+        )
+    a = per_rank[0][-2]
     b = _segment(gpt2, "single", {}, range(2, 4), root, a["path"])
     ref = reference(Path(gpt2))
     label = "gpt2 fsdp+tp (2 steps) -> single (2 steps)"
