@@ -25,7 +25,7 @@ SEQ, BATCH, STEPS, LR = 16, 8, 4, 1e-2
 TOL = 1e-4
 LOGIT_TOL = 1e-5
 _BIG = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 8, "vocab_size": 2048}
-"""The load-memory model: 15.7 M parameters (63 MB fp32), each decoder layer 1.8 M (7 MB)."""
+"""The load-memory model: 14.6 M parameters (55.5 MiB fp32), each decoder layer 1.6 M (6.2 MiB)."""
 SLACK = 6 * 2**20
 """Memory a load may take beyond its shard and one block: DCP's read plan, Python objects, allocator slack."""
 
@@ -265,7 +265,7 @@ def test_hf_strategies_match_transformers_at_2_ranks(
 
     root = str(tmp_path / "ckpt")
     then = (gpt2, "fsdp+tp", {"tp": 2}, range(0, 2), root)
-    # and the memory of a sharded load: a 63 MB Llama (8 layers of 7 MB) under zero3 on 2 ranks
+    # and the memory of a sharded load: a 55.5 MiB Llama (8 layers of 6.2 MiB) under zero3 on 2 ranks
     big = make_hf_dir(tmp_path / "big", "llama", shard="20MB", **_BIG)
     per_rank = dist_run(_all_cases, 2, cases, then, str(big), timeout_s=290)
     _check(cases, [rows[: len(cases)] for rows in per_rank])

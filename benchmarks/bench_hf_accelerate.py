@@ -1,0 +1,191 @@
+"""``--model hf:DIR`` under ``zero3`` on 2 ranks against Accelerate with FSDP2, side by side in one run.
+
+The model: bench_hf.py's random ``LlamaForCausalLM`` of about 100 M parameters (hidden 768, 12 layers, MLP
+2048, vocabulary 8192), saved sharded with its tokenizer. fp32, CPU, Gloo, one thread per rank.
+
+Both runners live in the same 2 processes and take the same batches in the same order:
+
+- **paratrain**: the trainer of ``paratrain train --model hf:DIR --strategy zero3`` (``build_trainer``: its
+  data, sampler, AdamW, constant schedule, FSDP2 over the decoder layers and the root, each rank reading its
+  slices of the weights), one ``Trainer.train_step`` per step.
+- **Accelerate**: the script an Accelerate user writes: ``AutoModelForCausalLM.from_pretrained(DIR)``,
+  ``torch.optim.AdamW`` with the same settings, ``accelerator.prepare(model, optimizer)`` with a
+  ``FullyShardedDataParallelPlugin(fsdp_version=2)`` wrapping each ``LlamaDecoderLayer`` (FULL_SHARD, reshard
+  after forward), ``accelerator.backward(loss)``, ``optimizer.step()``; each rank's batch is the trainer's
+  for that rank (a second sampler with the trainer's seed). Accelerate (1.15) enables FSDP for accelerator
+  devices only; on a CPU its ``MULTI_CPU`` state is switched to ``FSDP`` with the plugin before ``prepare``,
+  which then runs Accelerate's own FSDP2 preparation (``fsdp2_prepare_model``) unchanged.
+
+One warm-up step each (first losses recorded), then ``--rounds`` rounds of ``--steps`` steps alternating
+which runs first; a round is timed on rank 0 between barriers. Recorded: tokens/s per runner (median over
+rounds), the per-round ratios, and every step's loss (mean over the ranks) of both runners, which see the
+same batches step for step.
+
+    python benchmarks/bench_hf_accelerate.py            # writes benchmarks/results/hf_accelerate.json
+    python benchmarks/bench_hf_accelerate.py --quick    # a 2-layer model, 2 rounds (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _accelerate_model(d: str, lr: float) -> tuple[Any, Any, Any]:
+    import torch
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator(cpu=True)  # joins the process group already up
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        reshard_after_forward=True,
+        cpu_ram_efficient_loading=False,
+    )
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    model, opt = accelerator.prepare(model, opt)
+    return accelerator, model, opt
+
+
+def _race(
+    d: str, run: str, corpus: str, batch: int, seq: int, steps: int, rounds: int, lr: float
+) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.config import RunConfig
+    from paratrain.data import DistributedBatchSampler
+    from paratrain.runtime import init
+    from paratrain.train.worker import build_trainer
+
+    torch.set_num_threads(1)
+    cfg = RunConfig().override([
+        f"model.name=hf:{d}", "data.name=text", f"data.path={corpus}", f"data.tokenizer=hf:{d}",
+        f"data.seq_len={seq}", f"train.batch_size={batch}", f"train.steps={steps * rounds + 1}",
+        "strategy.name=zero3", f"optimizer.lr={lr}", "checkpoint.save_at_end=false", "train.progress=false",
+    ])  # fmt: skip
+    ctx = init(seed=cfg.train.seed)
+    trainer = build_trainer(cfg, ctx, Path(run))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = trainer.data.train
+    sampler = DistributedBatchSampler(len(data), batch, rank, world, seed=cfg.train.seed, shuffle=True)
+    accelerator, model, opt = _accelerate_model(d, lr)
+    model.train()
+
+    def accelerate_step() -> torch.Tensor:
+        b = data.batch(sampler.next_batch())
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=b.inputs, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b.targets.flatten())
+        accelerator.backward(loss)
+        opt.step()
+        return loss.detach()
+
+    run_step = {"paratrain": trainer.train_step, "accelerate": accelerate_step}
+    losses: dict[str, list[torch.Tensor]] = {"paratrain": [], "accelerate": []}
+    for name in ("paratrain", "accelerate"):  # warm-up
+        losses[name].append(run_step[name]().detach().float().reshape(()))
+    times: dict[str, list[float]] = {"paratrain": [], "accelerate": []}
+    for r in range(rounds):
+        order = ["paratrain", "accelerate"] if r % 2 == 0 else ["accelerate", "paratrain"]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                losses[name].append(run_step[name]().detach().float().reshape(()))
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    mean = {}
+    for name, ls in losses.items():
+        t = torch.stack(ls)
+        dist.all_reduce(t)
+        mean[name] = (t / world).tolist()
+    return {"round_seconds": times, "losses": mean, "num_params": trainer.num_params}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batch", type=int, default=4, help="global batch (2 per rank)")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--out", default=str(RESULTS / "hf_accelerate.json"))
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import accelerate
+    import torch
+    import transformers
+    from bench_hf import make_model_dir
+
+    from paratrain.testing import run_distributed
+
+    load_before = os.getloadavg()
+    layers = 2 if args.quick else 12
+    rounds = 2 if args.quick else args.rounds
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "llama-100m"
+        made = make_model_dir(d, layers)
+        print(f"model: {made['num_params'] / 1e6:.1f} M parameters in {d}", file=sys.stderr)
+        per_rank = run_distributed(
+            _race, 2, args=(str(d), str(Path(tmp) / "run"), made["corpus"], args.batch, args.seq_len, args.steps, rounds, args.lr),
+            timeout_s=3000,
+        )  # fmt: skip
+    got = per_rank[0]
+    tokens = args.steps * args.batch * args.seq_len
+    times = got["round_seconds"]
+    ratios = [a / p for a, p in zip(times["accelerate"], times["paratrain"], strict=True)]
+    lp, la = got["losses"]["paratrain"], got["losses"]["accelerate"]
+    result = {
+        "benchmark": "bench_hf_accelerate",
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "conditions": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__,
+            "world_size": 2,
+            "backend": "gloo",
+            "threads_per_process": 1,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "note": "CPU shared with other engineers' jobs while measured",
+        },
+        "model": {"arch": "LlamaForCausalLM", "layers": layers, "num_params": made["num_params"]},
+        "global_batch": args.batch,
+        "seq_len": args.seq_len,
+        "steps_per_round": args.steps,
+        "rounds": rounds,
+        "tokens_per_s": {k: tokens / statistics.median(v) for k, v in times.items()},
+        "round_seconds": times,
+        "paratrain_vs_accelerate_ratios": ratios,
+        "paratrain_vs_accelerate_median_ratio": statistics.median(ratios),
+        "losses": got["losses"],
+        "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lp, la, strict=True)),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
