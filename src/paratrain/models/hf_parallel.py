@@ -1,8 +1,9 @@
 """How ``transformers`` models are split by tensor and pipeline parallelism (``--model hf:DIR``).
 
-**Tensor parallel plan** (Llama, Qwen2, Mistral): the config's own ``base_model_tp_plan`` (``layers.*.self_attn.
-q_proj: colwise``, ``o_proj: rowwise``, ...), translated into DTensor ``ParallelStyle``s keyed by the module
-names of this model, plus the two ends: the input embedding sharded by vocabulary rows and the head by
+**Tensor parallel plan** (Llama, Qwen2, Qwen3, Mistral, GPT-2): the config's own ``base_model_tp_plan``
+(``layers.*.self_attn.q_proj: colwise``, ``o_proj: rowwise``, Qwen3's ``q_norm: replicated_with_grad_allreduce``,
+...), or GPT-2's (which has none: :data:`_GPT2_PLAN`), translated into ``ParallelStyle``s (DTensor's, and
+:mod:`paratrain.models.hf_tp`'s for what those do not cover) keyed by the module names of this model, plus the two ends: the input embedding sharded by vocabulary rows and the head by
 vocabulary columns (its logits all-gathered, or kept sharded for a loss-parallel cross-entropy). It is
 Megatron-LM's plan without sequence parallelism (the residual stream stays replicated, so Hugging Face's own
 forward runs unchanged on the local heads): per decoder layer, forward, one all-reduce after ``o_proj`` and
