@@ -128,9 +128,6 @@ def check_hf_dir(d: Path) -> dict[str, Any]:
     return cfg
 
 
-
-
-
 # ---- the module -------------------------------------------------------------------------------------------
 def _real_buffers(model: nn.Module) -> None:
     """A model built on the meta device gets its computed buffers (rotary ``inv_freq`` tables) back: each
@@ -209,9 +206,6 @@ def build_hf_model(d: Path, vocab_needed: int | None = None) -> nn.Module:
 
 def _default_device_is_meta() -> bool:
     return torch.empty(()).device.type == "meta"
-
-
-
 
 
 def _fsdp_units(model: nn.Module) -> list[nn.Module]:
