@@ -33,33 +33,54 @@ def _train(root: Path, model: str, *extra: str, check: bool = True) -> Any:
     )  # fmt: skip
 
 
+def _refused(root: Path, model: str, *extra: str, capsys: Any, monkeypatch: Any) -> str:
+    """``paratrain train`` refusing before launch, run by ``paratrain.cli.main`` in this process (the command
+    line, checks and message are the CLI's; only the interpreter start is shared): its stderr."""
+    from paratrain.cli import main
+
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    args = ["train", "--model", f"hf:{root / model}", "--data", f"text:{root / 'corpus.txt'}", "--seq-len", "16",
+            "--batch-size", "4", "--steps", "1", *extra]  # fmt: skip
+    try:
+        rc = main(args)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") <= 3, "one clear message, not a traceback"
+    return err
+
+
 @pytest.mark.timeout(300)
-def test_bad_directories_are_refused_before_launch(hf_root: Path) -> None:
+def test_bad_directories_are_refused_before_launch(hf_root: Path, capsys: Any, monkeypatch: Any) -> None:
     empty = hf_root / "empty"
     empty.mkdir(exist_ok=True)
-    proc = _train(hf_root, "empty", "--steps", "1", check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "has no config.json" in proc.stderr and "logs" not in proc.stderr
+    err = _refused(hf_root, "empty", capsys=capsys, monkeypatch=monkeypatch)
+    assert "has no config.json" in err and "logs" not in err
 
     broken = hf_root / "broken"
     if not broken.exists():
         shutil.copytree(hf_root / "llama", broken)
         next(iter(sorted(broken.glob("model-*.safetensors")))).unlink()
-    proc = _train(hf_root, "broken", "--steps", "1", check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "model.safetensors.index.json names 1 weight file(s) that are not in the directory" in proc.stderr
+    err = _refused(hf_root, "broken", capsys=capsys, monkeypatch=monkeypatch)
+    assert "model.safetensors.index.json names 1 weight file(s) that are not in the directory" in err
+    assert not (hf_root / "runs").exists(), "nothing may start (or be written) for a bad input"
 
 
 @pytest.mark.timeout(300)
-def test_model_parallel_refusals_name_the_model(hf_root: Path) -> None:
-    proc = _train(hf_root, "opt", "--strategy", "tp", "--nproc-per-node", "2", "--steps", "1", check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "tensor parallelism (strategy tp" in proc.stderr and "OPTForCausalLM" in proc.stderr
+def test_model_parallel_refusals_name_the_model(hf_root: Path, capsys: Any, monkeypatch: Any) -> None:
+    err = _refused(
+        hf_root, "opt", "--strategy", "tp", "--nproc-per-node", "2", capsys=capsys, monkeypatch=monkeypatch
+    )
+    assert "tensor parallelism (strategy tp" in err and "OPTForCausalLM" in err
     # 4 query heads, 2 key/value heads: --tp 4 cannot give each rank whole heads
-    proc = _train(hf_root, "llama", "--strategy", "tp", "--nproc-per-node", "4", "--steps", "1", check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "tensor parallel degree 4 does not divide the heads of LlamaForCausalLM" in proc.stderr
-    assert "num_key_value_heads=2" in proc.stderr
+    err = _refused(
+        hf_root, "llama", "--strategy", "tp", "--nproc-per-node", "4", capsys=capsys, monkeypatch=monkeypatch
+    )
+    assert "tensor parallel degree 4 does not divide the heads of LlamaForCausalLM" in err
+    assert "num_key_value_heads=2" in err
+    assert not (hf_root / "runs").exists(), "nothing may start (or be written) for a bad input"
 
 
 @pytest.mark.slow
