@@ -35,6 +35,9 @@ from paratrain.errors import ConfigError, suggest
 COMM_ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree", "naive", "rhd", "shm", "pairwise")
 """Every collective algorithm name, in one place: ``comm``, ``--comm-algorithm`` and ``bench comm`` use it."""
 
+TRACKERS: tuple[str, ...] = ("csv", "tensorboard", "mlflow", "wandb")
+"""Experiment trackers of ``--tracker`` (``paratrain.train.trackers``)."""
+
 AC_MODES: tuple[str, ...] = ("none", "full", "selective")
 """``--activation-checkpointing`` modes; ``selective:N`` (every N-th block fully recomputed) is also valid."""
 
@@ -406,9 +409,19 @@ class TrainConfig:
     per rank in ``RUN_DIR/profile/`` and a per-rank compute/communication table (docs/observability.md)."""
     tensorboard: bool = option(False)
     """Write loss, learning rate, throughput, memory and eval metrics to ``RUN_DIR/tensorboard/`` (rank 0;
-    needs ``pip install 'paratrain[tensorboard]'``)."""
+    needs ``pip install 'paratrain[tensorboard]'``). The same as ``--tracker tensorboard``."""
+    tracker: str | None = option(None, metavar="csv,tensorboard,mlflow,wandb")
+    """Experiment trackers, comma-separated: rank 0 logs the run's config as hyperparameters and, at every
+    logging step and evaluation, loss, learning rate, throughput and eval metrics (docs/observability.md).
+    ``mlflow`` writes a local file store in ``RUN_DIR/mlruns`` and ``wandb`` runs offline unless
+    ``MLFLOW_TRACKING_URI`` / ``WANDB_MODE`` say otherwise."""
 
     def __post_init__(self) -> None:
+        if self.tracker is not None:
+            names = [n.strip() for n in self.tracker.split(",") if n.strip()]
+            for n in names:
+                _check_choice("train", "tracker", n, TRACKERS)
+            self.tracker = ",".join(dict.fromkeys(names)) or None
         if self.profile is not None:
             start, _, end = self.profile.partition(":")
             if not (start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):

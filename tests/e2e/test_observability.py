@@ -6,6 +6,7 @@ that with ``single`` next to it, ``paratrain plot``, ``bench scaling`` and a fai
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import subprocess
@@ -28,7 +29,8 @@ def test_one_profiled_ddp_run_writes_traces_metrics_and_per_rank_logs(tmp_path: 
     extra = ["--tensorboard"] if HAVE_TENSORBOARD else []
     proc = run_cli("train", "--model", "mlp", "--steps", "4", "--batch-size", "32", "--profile", "2:3",
                    "--set", "train.log_every=2", "--set", "checkpoint.save_at_end=false", "--strategy", "ddp",
-                   "--nproc-per-node", "2", "--run-dir", "ddp", *extra, "--json", cwd=tmp_path, timeout=200)  # fmt: skip
+                   "--nproc-per-node", "2", "--run-dir", "ddp", "--tracker", "csv", *extra, "--json", cwd=tmp_path,
+                   timeout=200)  # fmt: skip
     run, summary = tmp_path / "ddp", last_json(proc.stdout)
     assert "paratrain profile: steps 2-3" in proc.stderr and summary["world_size"] == 2
     for r in range(2):
@@ -48,6 +50,11 @@ def test_one_profiled_ddp_run_writes_traces_metrics_and_per_rank_logs(tmp_path: 
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     if HAVE_TENSORBOARD:
         assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1, "rank 0 only"
+    with open(run / "csv" / "metrics.csv", newline="") as f:  # --tracker csv: the same losses
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    assert [float(r["train/loss"]) for r in rows] == pytest.approx([summary["losses"][i] for i in (1, 3)])
+    assert json.loads((run / "csv" / "hparams.json").read_text())["world_size"] == 2
 
 
 @pytest.fixture(scope="module")

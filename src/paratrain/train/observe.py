@@ -1,4 +1,4 @@
-"""What the trainer reports to: the run's observers (metrics.jsonl, TensorBoard, the profiler).
+"""What the trainer reports to: the run's observers (metrics.jsonl, the experiment trackers, the profiler).
 
 The trainer builds one :class:`RunObservers` on every rank and calls it:
 
@@ -12,8 +12,9 @@ The trainer builds one :class:`RunObservers` on every rank and calls it:
 
 The observers add the throughput of the interval since the previous logging step (``samples_per_s``,
 and ``tokens_per_s`` for a language model) and rank 0's ``model_state_bytes``, then hand the record to
-``metrics.jsonl`` (:class:`~paratrain.train.metrics.MetricsWriter`) and, with ``--tensorboard``, to
-TensorBoard (:mod:`paratrain.train.tensorboard`). Only rank 0 writes. The only collective is the
+``metrics.jsonl`` (:class:`~paratrain.train.metrics.MetricsWriter`) and to the trackers of ``--tracker``
+(``csv``, ``tensorboard``, ``mlflow``, ``wandb``: :mod:`paratrain.train.trackers`), which start their runs in
+``begin`` (the config as hyperparameters). Only rank 0 writes. The only collective is the
 profiler's one ``gather_object`` in ``close()``, and only with ``--profile``.
 """
 
@@ -24,13 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from paratrain.config import RunConfig
-from paratrain.errors import ConfigError
 from paratrain.runtime import Context, get_logger
 from paratrain.train.metrics import MetricsWriter
 from paratrain.train.profile import StepProfiler
+from paratrain.train.trackers import build_trackers, check_trackers
 
 
 class Observer(Protocol):
+    def begin(self, step: int) -> None: ...
+
     def on_step_end(self, step: int, record: dict[str, Any]) -> None: ...
 
     def on_eval(self, step: int, record: dict[str, Any]) -> None: ...
@@ -44,6 +47,9 @@ class _Metrics:
     def __init__(self, writer: MetricsWriter) -> None:
         self.writer = writer
 
+    def begin(self, step: int) -> None:
+        pass
+
     def on_step_end(self, step: int, record: dict[str, Any]) -> None:
         self.writer.write(record)
 
@@ -54,21 +60,9 @@ class _Metrics:
         self.writer.close()
 
 
-def check_tensorboard() -> None:
-    """``--tensorboard`` needs the ``tensorboard`` package: a :class:`ConfigError` before launch if missing."""
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(
-            f"--tensorboard needs the tensorboard package, which cannot be imported ({e}). Install it with "
-            "pip install 'paratrain[tensorboard]' (or pip install tensorboard), or leave out --tensorboard."
-        ) from None
-
-
 def preflight_observers(cfg: RunConfig) -> None:
-    """Checks of the observability options that must fail before any worker starts."""
-    if cfg.train.tensorboard:
-        check_tensorboard()
+    """Checks of the observability options that must fail before any worker starts: a tracker's package."""
+    check_trackers(cfg.train)
 
 
 class RunObservers:
@@ -89,10 +83,8 @@ class RunObservers:
         self.tokens_per_sample = tokens_per_sample
         self.memory = memory
         self.observers: list[Observer] = [_Metrics(metrics)]
-        if cfg.train.tensorboard and ctx.is_main:
-            from paratrain.train.tensorboard import TensorBoardObserver
-
-            self.observers.append(TensorBoardObserver(Path(run_dir) / "tensorboard", bool(tokens_per_sample)))
+        if ctx.is_main:
+            self.observers += build_trackers(cfg, run_dir, ctx.world_size, bool(tokens_per_sample))
         self.profiler = StepProfiler(cfg.train.profile, ctx, run_dir, get_logger(ctx))
         self._last = (0, 0.0)  # (step, training seconds) at the previous logging step
 
@@ -100,6 +92,8 @@ class RunObservers:
         """Before the loop; ``step`` is the last step already done (resumed from), 0 for a fresh run."""
         self._last = (step, 0.0)
         self.profiler.begin(step, total_steps)
+        for o in self.observers:
+            o.begin(step)
 
     def after_step(self, step: int) -> None:
         """After every optimizer step, on every rank."""

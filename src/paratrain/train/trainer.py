@@ -418,6 +418,7 @@ class Trainer:
         bar = _progress(self.ctx, t.progress, st.total_steps, start_step)
         console = self._console(start_step, lines=bar is None)
         metrics_every = t.log_every or 10
+        self.observers.begin(st.step, st.total_steps)  # the trackers start their runs: not training time
         self.ctx.synchronize()
         on_cuda = self.ctx.device.type == "cuda"
         if on_cuda:  # the caching allocator's peak over the training steps (not start-up, not evaluation)
@@ -429,7 +430,6 @@ class Trainer:
         peak: int | None = None
         tracked_s = 0.0  # seconds of the memory-tracked step
         measure_at = start_step + 1 if st.total_steps - start_step > 1 else start_step  # after a warm-up step
-        self.observers.begin(st.step, st.total_steps)
         with peer_guard(self.ctx) as peers:
             while st.step < st.total_steps:
                 if (
