@@ -83,7 +83,7 @@ def test_every_tracker_reads_back_and_a_resume_continues_it(
         monkeypatch.delenv(var, raising=False)
     names = ",".join(["csv", *ALL])
     _run(tmp_path, names, 0, [2, 4])
-    resumed = names.replace(",wandb", "")  # W&B's resume costs a second wandb-core start: the slow test below
+    resumed = names.replace(",wandb", "")  # W&B's resume: the test below
     _run(tmp_path, resumed, 4, [6])  # resumed after step 4 in the same run directory
     losses = {2: 0.5, 4: 0.25, 6: 1 / 6}
 
@@ -162,7 +162,6 @@ def _wandb_run(run_dir: Path, launches: int) -> tuple[dict[int, dict[str, Any]],
     return history, config
 
 
-@pytest.mark.slow
 def test_a_resumed_wandb_run_continues_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb", reason="the trackers extra is not installed")
     monkeypatch.delenv("WANDB_MODE", raising=False)

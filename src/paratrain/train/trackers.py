@@ -282,7 +282,12 @@ class WandbTracker(Tracker):
         self.run.log(scalars, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # wandb-core may still be writing the offline file; a worker ends with os._exit (no atexit hooks),
+        # so stop the service here, which waits for it
+        wandb.teardown()
 
 
 class TensorBoardTracker(Tracker):
