@@ -149,7 +149,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from paratrain.diagnose.guard.launcher import resolve_guard_arguments
-    from paratrain.launch import LaunchError, run_module, run_script
+    from paratrain.launch import LaunchError, run_script, run_user_module
 
     resolve_guard_arguments(args)  # --hang-timeout without --guard: refused, not ignored
     if args.slurm:
@@ -180,7 +180,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         )
     try:
         if args.module:
-            run_module(args.script, args.script_args, launch)
+            run_user_module(args.script, args.script_args, launch)
         else:
             run_script(args.script, args.script_args, launch)
     except LaunchError as e:

@@ -198,6 +198,12 @@ def test_failing_worker_is_reported_by_rank(tmp_path: Path) -> None:
         proc.stderr
     )
     assert 'boom.py", line 3, in <module>' in report, proc.stderr
+    # the same module run as `launch -m boom` (the current directory importable, as under python -m)
+    proc = run_cli("launch", "--nproc-per-node", "2", "-m", "boom", cwd=tmp_path, check=False)
+    report = proc.stderr[proc.stderr.index("paratrain launch: ") :]
+    assert proc.returncode == 1 and report.startswith(
+        "paratrain launch: rank 1 failed (exit code 1): ValueError: bad shard 17"
+    ), proc.stderr
 
 
 @pytest.mark.e2e

@@ -17,6 +17,7 @@ from paratrain.launch.agent import (
     run,
     run_module,
     run_script,
+    run_user_module,
     wait_for_summary,
 )
 from paratrain.launch.failures import LaunchError, RankFailure
@@ -36,5 +37,6 @@ __all__ = [
     "run",
     "run_module",
     "run_script",
+    "run_user_module",
     "wait_for_summary",
 ]

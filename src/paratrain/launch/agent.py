@@ -257,6 +257,13 @@ def run_module(module: str, argv: list[str], launch: LaunchConfig, quiet: bool =
     return run(["-u", "-m", module, *argv], launch, quiet=quiet)
 
 
+def run_user_module(module: str, argv: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int, Any]:
+    """``paratrain launch -m module``: ``python -m module argv...`` on every local rank, through
+    script_runner.py as :func:`run_script` does, so the headline names an uncaught exception."""
+    runner = os.path.join(os.path.dirname(__file__), "script_runner.py")
+    return run(["-u", runner, "-m", module, *argv], launch, quiet=quiet)
+
+
 def run_script(script: str, argv: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int, Any]:
     """Run ``python script argv...`` on every local rank: ``paratrain launch`` as a torchrun drop-in."""
     if not os.path.isfile(script):
