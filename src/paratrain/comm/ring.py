@@ -11,8 +11,8 @@ The whole all-reduce is one loop of 2(n−1) steps with the same indexing in bot
 - Steps n−1..2n−3 (all-gather): the received chunk is final and is written straight into place.
 
 Each rank sends 2(n−1) chunks of S/n bytes, i.e. 2(n−1)/n · S: the bandwidth-optimal amount (Patarasuk
-& Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009). Seed 003's
-"ring" passed the whole tensor around instead: n−1 full copies.
+& Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009). A naive ring
+that passes the whole tensor around sends n−1 full copies instead.
 
 **Pipelining.** Each chunk is cut into P pieces of about ``piece_bytes``. The chunk sent at step t is
 the one reduced at step t−1, so the loop does not wait for a whole chunk: as soon as piece j of step

@@ -1,8 +1,8 @@
 """``paratrain doctor [--json] [--nproc-per-node N] [--timeout S]``: name the broken piece of a setup.
 
-Seed 001's debugging methodology, as one command: its step 2 (check the environment, NCCL, the GPUs) and
-its multi-node steps (network interface, master reachable, "test NCCL can communicate" with an expected
-sum), plus what its pitfall table and red flags point at (the LOCAL_RANK -> device mapping of pitfall 7,
+A distributed-training debugging checklist, as one command: check the environment, NCCL and the GPUs, then
+the multi-node steps (network interface, master reachable, "test NCCL can communicate" with an expected
+sum), plus the usual pitfalls and red flags (the LOCAL_RANK -> device mapping,
 ``NCCL_SOCKET_IFNAME`` / ``NCCL_IB_DISABLE``, /dev/shm in containers, open-file limits).
 
 Checks run in order, cheapest first; every one prints one line (``ok``, ``warning`` or ``FAIL``) with the fix
