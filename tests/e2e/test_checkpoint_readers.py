@@ -21,6 +21,14 @@ def test_readers_verify_first_and_warn_when_they_fall_back(tmp_path: Path) -> No
             "--seq-len", "32", "--steps", "4", "--batch-size", "4", "--strategy", "single", "--nproc-per-node", "1",
             "--ckpt-every", "2", "--run-dir", str(run), cwd=tmp_path, timeout=240)  # fmt: skip
     ckpts = run / "checkpoints"
+    # every checkpoint reader takes the run directory, checkpoints/, its latest file or one step
+    from paratrain.checkpoint.export_hf import export_hf
+    from paratrain.checkpoint.inspect import inspect_dir, resolve_checkpoint
+
+    for where in (run, ckpts, ckpts / "latest", ckpts / "step_00000004"):
+        assert resolve_checkpoint(where) == ckpts / "step_00000004"
+        assert [c["step"] for c in inspect_dir(where, fast=True)["checkpoints"]][-1] == 4
+    assert export_hf(ckpts / "latest", tmp_path / "hf")["tensors"] > 0
     # an edited train_state.json (same checkpoint otherwise): refused by its checksum before a model is
     # built from the config it holds (here: one that is not a language model)
     edited = tmp_path / "edited" / "step_00000002"

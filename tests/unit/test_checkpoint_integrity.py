@@ -739,16 +739,17 @@ def test_cli_inspect_of_a_directory_without_checkpoints_exits_2(
 ) -> None:
     from paratrain.cli import main
 
-    _save(tmp_path / "run" / "checkpoints", [1])
-    for d in (tmp_path / "run", tmp_path / "empty"):
-        d.mkdir(exist_ok=True)
-        assert main(["ckpt", "inspect", str(d)]) == 2
-        captured = capsys.readouterr()
-        lines = captured.err.strip().splitlines()
-        assert len(lines) == 1 and "holds no checkpoints" in lines[0] and captured.out == "", captured
-    assert main(["ckpt", "inspect", str(tmp_path / "run")]) == 2
-    assert f"did you mean {tmp_path / 'run' / 'checkpoints'}?" in capsys.readouterr().err
-    assert main(["ckpt", "inspect", str(tmp_path / "run" / "checkpoints")]) == 0
+    (tmp_path / "empty").mkdir()
+    assert main(["ckpt", "inspect", str(tmp_path / "empty")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "holds no checkpoints" in lines[0] and captured.out == "", captured
+    _save(tmp_path / "run" / "checkpoints", [1])  # a run directory stands for its checkpoints/
+    for where in ("run", "run/checkpoints", "run/checkpoints/latest"):
+        assert main(["ckpt", "inspect", str(tmp_path / where)]) == 0
+        assert capsys.readouterr().out.startswith(
+            f"{tmp_path / 'run' / 'checkpoints'}: latest -> step_00000001"
+        )
 
 
 # ---- ckpt inspect / export ----------------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ def add_ckpt_commands(sub: Any) -> None:
     q = ck.add_parser(
         "inspect", help="steps, sizes, world size, strategy and validity of a checkpoint directory"
     )
-    q.add_argument("dir", help="checkpoint directory (with step_NNNNNNNN/ inside) or one step directory")
+    q.add_argument(
+        "dir",
+        help="a run directory, its checkpoints/ directory (with step_NNNNNNNN/ inside), latest or one step",
+    )
     q.add_argument(
         "--fast", action="store_true", help="check sizes only; do not read every file to compare its checksum"
     )
@@ -27,7 +30,10 @@ def add_ckpt_commands(sub: Any) -> None:
         "export",
         help="write the consolidated full model of a checkpoint as safetensors or a Hugging Face directory",
     )
-    q.add_argument("step_dir", help="a committed step_NNNNNNNN directory")
+    q.add_argument(
+        "step_dir",
+        help="a run directory, its checkpoints/ or latest (the newest valid step), or one step_NNNNNNNN",
+    )
     q.add_argument("out", help="output .safetensors file (--format safetensors) or directory (--format hf)")
     q.add_argument(
         "--format", choices=("safetensors", "hf"), default="safetensors",

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.checkpoint import safe
-from paratrain.checkpoint.inspect import _read_state, load_full_model
-from paratrain.checkpoint.layout import check_checkpoint
+from paratrain.checkpoint.inspect import _read_state, load_full_model, resolve_checkpoint
 from paratrain.errors import ConfigError
 
 __all__ = ["export_hf", "parse_size"]
@@ -71,15 +70,12 @@ def export_hf(
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    p, dest = Path(step_dir), Path(out_dir)
+    dest = Path(out_dir)
     limit = parse_size(max_shard)
-    if not p.is_dir():
-        raise ConfigError(f"{p} is not a directory. Give a committed step_NNNNNNNN directory.")
     if dest.exists() and not (force and dest.is_dir()):
         raise ConfigError(f"{dest} already exists. Give another directory, or --force to replace it.")
-    problems = check_checkpoint(p)
-    if problems:
-        raise ConfigError(f"{p} is not a usable checkpoint: {'; '.join(problems)}")
+    # a step, checkpoint or run directory or a latest file; verified, checksums included
+    p = resolve_checkpoint(step_dir, flag="ckpt export")
     state = _read_state(p)
     model_cfg = (state.get("config") or {}).get("model") or {}
     name = str(model_cfg.get("name", ""))

@@ -83,16 +83,20 @@ def describe(path: str | Path, fast: bool = False) -> dict[str, Any]:
 
 
 def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
-    """A checkpoint directory (or one step directory): every step, what ``latest`` names, what auto-resume
-    would load, and saves that never finished (temporary directories). ``fast``: sizes, not checksums."""
+    """A checkpoint directory (or a run directory, its ``latest`` file, one step directory): every step, what
+    ``latest`` names, what auto-resume would load, and saves that never finished (temporary directories). ``fast``: sizes, not checksums."""
     r = Path(root)
     if not r.exists():
         raise ConfigError(f"{r} does not exist. Give a checkpoint directory (e.g. runs/NAME/checkpoints).")
+    if r.name == LATEST_FILE and r.is_file():  # a checkpoint directory's `latest`: that directory
+        r = r.parent
     if not r.is_dir():
         raise ConfigError(
-            f"{r} is a file, not a checkpoint directory. Give a checkpoint directory (with step_NNNNNNNN/ "
-            "inside) or one step directory."
+            f"{r} is a file, not a checkpoint directory. Give a run directory, a checkpoint directory (with "
+            "step_NNNNNNNN/ inside), its latest file or one step directory."
         )
+    if step_of(r) is None and (r / "checkpoints").is_dir() and not (r / LATEST_FILE).exists():
+        r = r / "checkpoints"  # a run directory
     if step_of(r) is not None:
         return {
             "root": str(r.parent),
@@ -160,8 +164,8 @@ def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
     """The verified step directory ``path`` stands for, before anything is built from it.
 
     ``path`` is a ``step_NNNNNNNN`` directory (verified, checksums included: :class:`ConfigError` listing its
-    problems), a checkpoint directory (its newest valid step, as ``--resume auto`` picks it) or a run
-    directory (its ``checkpoints/``). When the step used is not the newest, one ``warning:`` line per
+    problems), a checkpoint directory or its ``latest`` file (the newest valid step, as ``--resume auto``
+    picks it) or a run directory (its ``checkpoints/``). When the step used is not the newest, one ``warning:`` line per
     checkpoint passed over says which and why, on stderr: a reader never uses an older step silently.
     """
     p = Path(path)
@@ -169,6 +173,8 @@ def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
         raise ConfigError(
             f"{flag} {p} does not exist. Give a run directory, a checkpoint directory or a step."
         )
+    if p.name == LATEST_FILE and p.is_file():
+        p = p.parent
     if step_of(p) is not None:
         problems = check_checkpoint(p)
         if problems:
@@ -254,8 +260,6 @@ def export_safetensors(step_dir: str | Path, out: str | Path, force: bool = Fals
         raise ConfigError(f"{dest} is a directory. Give the path of the .safetensors file to write.")
     if dest.exists() and not force:
         raise ConfigError(f"{dest} already exists. Give another path, or --force to overwrite it.")
-    if not p.is_dir():
-        raise ConfigError(f"{p} is not a directory. Give a committed step_NNNNNNNN directory.")
     parent = next((d for d in dest.parents if d.exists()), None)
     if parent is not None and not parent.is_dir():
         raise ConfigError(f"cannot write {dest}: {parent} is a file, not a directory. Give another path.")
