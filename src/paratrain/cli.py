@@ -48,6 +48,9 @@ def early_checks(cfg: RunConfig) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     early_checks(cfg)
+    from paratrain.diagnose.doctor_net import preflight_ifname
+
+    preflight_ifname()  # a GLOO_SOCKET_IFNAME Gloo cannot use: doctor's diagnosis, before launch
 
     from paratrain.launch import LaunchError
     from paratrain.launch.train_job import run_training
@@ -152,6 +155,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from paratrain.launch import LaunchError, run_script, run_user_module
 
     resolve_guard_arguments(args)  # --hang-timeout without --guard: refused, not ignored
+    if not args.slurm:  # (under --slurm the nodes' interfaces are not this host's)
+        from paratrain.diagnose.doctor_net import preflight_ifname
+
+        preflight_ifname()
     if args.slurm:
         from paratrain.config import cli_options
         from paratrain.launch.slurm import sbatch_script, srun_flags

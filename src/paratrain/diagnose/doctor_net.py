@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from paratrain.errors import ConfigError
 from paratrain.launch.rendezvous import port_in_use
 
 Status = Literal["ok", "warning", "fail"]
@@ -226,6 +227,17 @@ def check_gloo_ifname(env: Mapping[str, str], ifaces: Interfaces) -> Check:
             _ifname_fix(name, ifaces),
         )
     return Check(name, "ok", f"{name}={value} -> Gloo uses {_describe({n: ifaces[n] for n in names})}")
+
+
+def preflight_ifname(env: Mapping[str, str] | None = None) -> None:
+    """``paratrain train``/``launch``: doctor's diagnosis of a ``GLOO_SOCKET_IFNAME`` that Gloo cannot use, as
+    one :class:`ConfigError` before any worker starts (Gloo's own error comes once per rank, from C++)."""
+    env = os.environ if env is None else env
+    if env.get("GLOO_SOCKET_IFNAME") is None:
+        return
+    check = check_gloo_ifname(env, interfaces())
+    if check.status == "fail":
+        raise ConfigError(f"{check.detail} Fix: {check.fix} (`paratrain doctor` checks the whole setup.)")
 
 
 # ---- NCCL_IB_DISABLE ------------------------------------------------------------------------------------
