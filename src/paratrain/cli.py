@@ -61,7 +61,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = run_training(cfg, quiet=args.json)
     except LaunchError as e:
         print(f"paratrain train: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     if not summary:
         print("paratrain train: this node's workers finished; the node that ran rank 0 prints the summary",
               file=sys.stderr)  # fmt: skip
@@ -192,7 +192,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             run_script(args.script, args.script_args, launch)
     except LaunchError as e:
         print(f"paratrain launch: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     return 0
 
 
@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_json_refusal(message)  # every --json command's refusal is JSON too (stdout, last line)
         return 2
     except KeyboardInterrupt:
+        print(f"paratrain {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
 
 

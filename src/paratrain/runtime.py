@@ -345,7 +345,7 @@ def record_errors(fn: Any) -> Any:
 
         try:
             return fn(*args, **kwargs)
-        except SystemExit:
+        except (SystemExit, KeyboardInterrupt):  # Ctrl-C is the launcher's to report, not this rank's error
             raise
         except BaseException as e:
             raised_at = time.time()

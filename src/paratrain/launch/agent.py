@@ -243,9 +243,9 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
     except NoRestartError as e:
         raise LaunchError(str(e)) from None
     except SignalException as e:
-        raise LaunchError(
-            describe_teardown(signal.Signals(e.sigval), stop, config.shutdown_timeout)
-        ) from None
+        sig = signal.Signals(e.sigval)
+        code = 130 if sig == signal.SIGINT else 1
+        raise LaunchError(describe_teardown(sig, stop, config.shutdown_timeout), exit_code=code) from None
     finally:
         watch.close()
         stop.restore()

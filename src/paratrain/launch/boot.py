@@ -67,7 +67,27 @@ def guard() -> None:
         os._exit(1)
 
 
+QUIET_MAIN = (
+    "import os, runpy, sys\n"
+    "sys.argv = sys.argv[1:]\n"
+    "try:\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+    "except KeyboardInterrupt:\n"
+    "    os._exit(130)\n"
+)
+"""``python -c QUIET_MAIN MODULE ARGS`` runs ``python -m MODULE ARGS`` but exits 130 without a traceback on
+Ctrl-C: the terminal's SIGINT reaches every worker of the process group, often while it imports torch, and
+the launcher reports the interruption once."""
+
+QUIET_MODULES = ("paratrain.train.worker",)
+"""Worker modules started as ``-c QUIET_MAIN`` (``paratrain train``'s; a user's script keeps Python's
+behaviour)."""
+
+
 def main(argv: list[str]) -> None:
+    if "-m" in argv and argv.index("-m") + 1 < len(argv) and argv[argv.index("-m") + 1] in QUIET_MODULES:
+        i = argv.index("-m")
+        argv = [*argv[:i], "-c", QUIET_MAIN, *argv[i + 1 :]]
     guard()
     import cpu_bind  # this directory's module (see the module docstring)
 

@@ -14,9 +14,11 @@ from typing import Any
 class LaunchError(RuntimeError):
     """A worker group failed; ``str()`` names the first failing rank and its error."""
 
-    def __init__(self, message: str, failures: list[RankFailure] | None = None) -> None:
+    def __init__(self, message: str, failures: list[RankFailure] | None = None, exit_code: int = 1) -> None:
         super().__init__(message)
         self.failures = failures or []
+        self.exit_code = exit_code
+        """The command's exit status: 130 after Ctrl-C (SIGINT), as a shell reports it; 1 otherwise."""
 
 
 @dataclass
