@@ -90,3 +90,20 @@ def test_fsdp_tp_ep_checkpoint_continues_under_single(tmp_path: Path) -> None:
     assert b["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5)
     # the expert counts of the last step, summed over dp x tp: every routed assignment once
     assert sum(a["moe"]["tokens_per_expert"][0]) == 8 * 32 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_ep_pp_checkpoint_continues_under_single(tmp_path: Path) -> None:
+    """A run saved under fsdp+ep+pp (2 stages, each dp_shard 2 with ep 2: a stage holds its own layer's experts)
+    resumes under single on the single-process curve: the stages' checkpoints together hold every expert under
+    its global index. No auxiliary loss: only the last stage computes the loss."""
+    no_aux = ("--set", "model.aux_loss_coef=0")
+    ref = _train(tmp_path, 4, "single", 1, None, *no_aux)
+    ckpt = tmp_path / "ckpt"
+    a = _train(tmp_path, 2, "fsdp+ep+pp", 4, ckpt, "--pp", "2", "--ep", "2", *no_aux)
+    b = _train(tmp_path, 4, "single", 1, ckpt, *no_aux)
+    assert a["topology"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
+    assert b["resumed_from_step"] == 2
+    assert a["losses"] + b["losses"][2:] == pytest.approx(ref["losses"], rel=1e-4)
+    assert b["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5)

@@ -177,3 +177,24 @@ def test_fsdp_tp_ep_preset_and_refusals() -> None:
         ConfigError, match=r"'fsdp\+tp' does not split MoE layers.*Use --strategy fsdp\+tp\+ep"
     ):
         get_strategy("fsdp+tp").check_model(model, 4, StrategyConfig(name="fsdp+tp"))
+
+
+def test_fsdp_ep_pp_preset_and_refusals() -> None:
+    """``fsdp+ep+pp``: pp 2 and ep 2 by default, ep borrowed from one stage's data-parallel ranks; refused before
+    launch with the sequence-level aux loss (only the last stage computes the loss)."""
+    from paratrain.config import StrategyConfig
+    from paratrain.parallel import get_strategy
+    from paratrain.spec.refusals import check
+
+    topo = check("fsdp+ep+pp", 4, StrategyConfig(name="fsdp+ep+pp"))
+    assert (topo.pp, topo.dp_shard, topo.tp, topo.ep) == (2, 2, 1, 2)
+    assert check("fsdp+ep+pp", 8, StrategyConfig(name="fsdp+ep+pp", ep=4)).ep == 4
+    with pytest.raises(ConfigError, match="--ep 8 does not divide the 4 data-parallel ranks"):
+        check("fsdp+ep+pp", 8, StrategyConfig(name="fsdp+ep+pp", ep=8))
+    with torch.device("meta"):
+        model = build_llama("llama-moe-debug", {"aux_loss_coef": 0.0})
+        aux = build_llama("llama-moe-debug", {"aux_loss_coef": 0.01})
+    cls = get_strategy("fsdp+ep+pp")
+    cls.check_model(model, 4, StrategyConfig(name="fsdp+ep+pp"))
+    with pytest.raises(ConfigError, match=r"aux_loss_coef=0.01: under fsdp\+ep\+pp only the last stage"):
+        cls.check_model(aux, 4, StrategyConfig(name="fsdp+ep+pp"))

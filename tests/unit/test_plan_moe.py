@@ -97,7 +97,7 @@ def test_recommend_considers_ep_and_tp_only_with_ep_for_moe() -> None:
 def test_fsdp_tp_ep_and_fsdp_ep_pp_plans() -> None:
     """``fsdp+tp+ep`` holds the states of ``fsdp+tp`` (every parameter 1/(dp x tp) per rank) and routes
     ``s b / tp`` tokens per rank; ``fsdp+ep+pp`` holds those of ``fsdp+pp`` and runs the all-to-alls of its
-    stage's MoE layers (16 of mixtral's 32 on 2 stages). ``paratrain train`` refuses ``fsdp+ep+pp`` by name."""
+    stage's MoE layers (16 of mixtral's 32 on 2 stages)."""
     common = ["--model", "mixtral-8x7b", "--gpus", "64", "--seq-len", "1024", "--batch-size", "64",
               "--precision", "fp32"]  # fmt: skip
     tpep = _plan(*common, "--strategy", "fsdp+tp+ep", "--tp", "2", "--ep", "8")["plans"][0]
@@ -121,7 +121,3 @@ def test_fsdp_tp_ep_and_fsdp_ep_pp_plans() -> None:
     with pytest.raises(ConfigError, match="does not divide the 32 data-parallel ranks"):
         _plan(*common, "--strategy", "fsdp+ep+pp", "--pp", "2", "--ep", "64")
 
-    from paratrain.spec.strategies import canonical
-
-    with pytest.raises(ConfigError, match=r"'fsdp\+ep\+pp'.*planned.*not trained yet.*fsdp\+tp\+ep"):
-        canonical("fsdp+ep+pp")

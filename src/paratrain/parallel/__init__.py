@@ -11,7 +11,17 @@
   :mod:`.grads` (DTensor gradients: layout, replica averaging, global norm).
 """
 
-from paratrain.parallel import bucketed, ddp, expert, fsdp, pipeline, single, tensor, zero  # noqa: F401  (register)
+from paratrain.parallel import (  # noqa: F401  (register)
+    bucketed,
+    ddp,
+    expert,
+    expert_pipeline,
+    fsdp,
+    pipeline,
+    single,
+    tensor,
+    zero,
+)
 from paratrain.parallel.api import Prepared, build_strategy, setup
 from paratrain.parallel.memory import model_state_bytes
 from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_names, rebind_optimizer

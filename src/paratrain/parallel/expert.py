@@ -132,9 +132,14 @@ class _ExpertParallel(ModelParallel):
         if self.mesh is not None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            ep = self.topology.ep
-            shape = (self.topology.world_size // ep, ep)
-            self.expert_mesh = init_device_mesh(self.ctx.device.type, shape, mesh_dim_names=("edp", "ep"))
+            ep, pp = self.topology.ep, self.topology.pp
+            if pp == 1:
+                shape = (self.topology.world_size // ep, ep)
+                self.expert_mesh = init_device_mesh(self.ctx.device.type, shape, mesh_dim_names=("edp", "ep"))
+            else:  # pipeline stages outermost (as in the run's mesh): edp and ep inside one stage's ranks
+                shape3 = (pp, self.topology.world_size // pp // ep, ep)
+                staged = init_device_mesh(self.ctx.device.type, shape3, mesh_dim_names=("pp", "edp", "ep"))
+                self.expert_mesh = staged["edp", "ep"]
 
     # ---- checked before launch (the preset and its refusals: paratrain.spec.strategies) -------------
     @classmethod
@@ -152,7 +157,8 @@ class _ExpertParallel(ModelParallel):
         assert self.expert_mesh is not None, (
             "build the strategy with build_strategy(): it needs the run's mesh"
         )
-        check_model_experts(model, self.topology.ep)
+        if not self.uses_pp:  # a pipeline stage may hold no MoE layer (the full model was checked before)
+            check_model_experts(model, self.topology.ep)
         self._names_before_tp.update(parameter_names(model))
         mesh = self.expert_mesh["ep"] if self.uses_fsdp else self.expert_mesh
         placements = [Shard(0)] if self.uses_fsdp else [Replicate(), Shard(0)]

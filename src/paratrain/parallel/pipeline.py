@@ -48,6 +48,7 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
+from paratrain.models.moe import moe_layers
 from paratrain.models.spec import ModelSpec, spec_of
 from paratrain.parallel.grads import clip_grad_norm, replicated_value, to_local
 from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_names, rebind_optimizer
@@ -185,7 +186,7 @@ class _Pipeline(ModelParallel):
         optimizer = rebind_optimizer(_drop_other_stages(optimizer, names, model), names, model)
         group = self.group("pp") if self.mesh is not None else None
         self.stages = [
-            PipelineStage(c, s, self.num_stages, self.ctx.device, group=group)
+            _uncounted_inference(PipelineStage(c, s, self.num_stages, self.ctx.device, group=group))
             for c, s in zip(self.chunks, self.owned, strict=True)
         ]
         return model, optimizer
@@ -279,6 +280,31 @@ class _Pipeline(ModelParallel):
             if s < self.num_stages - 1 and (s + 1) % pp != self.pp_rank:
                 _send(replicated_value(h).float(), group, (s + 1) % pp)
         return replicated_value(h) if self.has_last and h is not None else None
+
+
+def _uncounted_inference(stage: Any) -> Any:
+    """``stage`` with its MoE layers in eval mode while torch infers the stage's shapes at the first step.
+
+    That inference runs a real forward and backward of the stage (every rank of the stage together, so the
+    experts' all-to-alls pair up) on placeholder inputs; its routed tokens must not enter the expert-bias
+    counts nor leave an auxiliary loss behind (:class:`paratrain.models.moe.MoE` records only in training)."""
+    layers = moe_layers(stage.submod)
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if not layers or infer is None:
+        return stage
+
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        modes = [m.training for m in layers]
+        for m in layers:
+            m.training = False
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for m, mode in zip(layers, modes, strict=True):
+                m.training = mode
+
+    stage._forward_metadata_inference = quiet
+    return stage
 
 
 def _send(t: torch.Tensor, group: Any, peer: int) -> None:

@@ -179,6 +179,12 @@ STRATEGIES: dict[str, StrategySpec] = {
             comm_algorithms=("native", "pairwise"), comm_algorithms_help=_A2A,
         ),
         StrategySpec(
+            "fsdp+ep+pp", "pipeline stages (outermost axis), each an fsdp+ep layout: experts split over --ep of the "
+            "stage's data-parallel ranks, FSDP2 over the rest", sharding="full", dp_preset="shard", uses_pp=True,
+            uses_ep=True, ep_default="two", pp_schedules=PP_SCHEDULES, supports_mixed_precision=True,
+            required_axes=_ALL, comm_algorithms=("native", "pairwise"), comm_algorithms_help=_A2A,
+        ),
+        StrategySpec(
             "fsdp+tp+pp", "3-D: pipeline stages, tensor parallel inside each (innermost axis), FSDP2 over the rest",
             sharding="full", dp_preset="shard", uses_tp=True, uses_pp=True, pp_schedules=PP_SCHEDULES, supports_mixed_precision=True, required_axes=_ALL,
         ),
@@ -188,10 +194,7 @@ STRATEGIES: dict[str, StrategySpec] = {
 
 ALIASES: dict[str, str] = {a: s.name for s in STRATEGIES.values() for a in s.aliases}
 
-PLANNED_ONLY: dict[str, str] = {
-    "fsdp+ep+pp": "pipeline stages (outermost axis), each an fsdp+ep layout: experts split over --ep of the "
-    "stage's data-parallel ranks, FSDP2 over the rest",
-}
+PLANNED_ONLY: dict[str, str] = {}
 """Layouts ``paratrain plan`` costs that ``paratrain train`` does not run yet (refused by :func:`canonical` with
 what exists instead)."""
 
@@ -207,8 +210,7 @@ def canonical(name: str) -> str:
     if resolved in PLANNED_ONLY:
         raise ConfigError(
             f"strategy {name!r} ({PLANNED_ONLY[name]}) is planned (paratrain plan --strategy {name}) but not "
-            "trained yet: expert parallelism does not compose with pipeline stages in paratrain train. Use "
-            "--strategy fsdp+ep or fsdp+tp+ep (experts over ep, no pipeline), or fsdp+pp for a dense model."
+            f"trained yet. Use one of: {', '.join(names(include_aliases=False))}."
         )
     if resolved not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}. {suggest(name, names())}")
