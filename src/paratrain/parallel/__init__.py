@@ -6,7 +6,8 @@
 - :mod:`.parallelize`: TP -> SyncBatchNorm -> activation checkpointing -> compile -> FSDP/replication;
 - one module per strategy, its communication schedule in its docstring: :mod:`.ddp`, :mod:`.bucketed`
   (``dp``), :mod:`.zero` (``zero1``/``zero2``), :mod:`.fsdp` (``zero3``/``hsdp``), :mod:`.single`,
-  :mod:`.tensor` (``tp``/``fsdp+tp``), :mod:`.pipeline` (``pp``/``fsdp+pp``/``fsdp+tp+pp``);
+  :mod:`.tensor` (``tp``/``fsdp+tp``), :mod:`.pipeline` (``pp``/``fsdp+pp``/``fsdp+tp+pp``), :mod:`.expert` (``ep``/``fsdp+ep``/``fsdp+tp+ep``),
+  :mod:`.expert_pipeline` (``fsdp+ep+pp``);
 - :mod:`.layers` (SyncBatchNorm), :mod:`.optim` (optimizer rebinding), :mod:`.memory` (bytes held),
   :mod:`.grads` (DTensor gradients: layout, replica averaging, global norm).
 """

@@ -42,8 +42,7 @@ EP_STRATEGIES = {
     "fsdp+tp+ep": ("fsdp+tp", "full"),
     "fsdp+ep+pp": ("fsdp+pp", "full"),
 }
-"""Expert-parallel strategy -> (the dense layout it builds on, its sharding). ``fsdp+ep+pp`` is planned only
-(``paratrain train`` refuses it: :data:`paratrain.spec.strategies.PLANNED_ONLY`)."""
+"""Expert-parallel strategy -> (the dense layout it builds on, its sharding)."""
 
 
 @dataclass(frozen=True)
