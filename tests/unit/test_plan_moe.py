@@ -120,4 +120,3 @@ def test_fsdp_tp_ep_and_fsdp_ep_pp_plans() -> None:
     assert eppp["bytes_per_rank"]["activations"] > fsdp_pp["plans"][0]["bytes_per_rank"]["activations"]
     with pytest.raises(ConfigError, match="does not divide the 32 data-parallel ranks"):
         _plan(*common, "--strategy", "fsdp+ep+pp", "--pp", "2", "--ep", "64")
-
