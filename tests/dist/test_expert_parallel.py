@@ -1,6 +1,7 @@
-"""``ep``, ``fsdp+ep`` and ``fsdp+tp+ep`` against one process: an MoE Llama trained for 4 AdamW steps (fp32), losses and
-final parameters within rel 1e-4, with random routing, with every token forced to one expert (the other
-experts, and whole ranks, receive nothing), with clipping on every step, and with the pairwise all-to-all.
+"""``ep``, ``fsdp+ep``, ``fsdp+tp+ep`` and ``fsdp+ep+pp`` against one process: an MoE Llama trained for 4
+AdamW steps (fp32), losses and final parameters within rel 1e-4, with random routing, with every token forced
+to one expert (the other experts, and whole ranks, receive nothing), with clipping on every step, and with the
+pairwise all-to-all.
 
 The reference is a plain torch loop (the model, AdamW, next-token cross-entropy over the global batch, the
 expert-bias update of :func:`paratrain.models.moe.after_optimizer_step`) with no strategy. Every distributed
@@ -127,6 +128,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int | None, float | None]]] = {
         ("fsdp+tp+ep", {"tp": 2, "ep": 2}, None, None),
         ("fsdp+tp+ep", {"tp": 2, "ep": 4}, None, 0.05),
         ("fsdp+ep+pp", {"pp": 2, "ep": 2}, None, 0.05),
+        ("fsdp+ep+pp", {"pp": 2, "ep": 2}, 1, None),
     ],
 }
 
