@@ -196,7 +196,7 @@ def die_with_launcher() -> None:
     this call repeats it for workers started otherwise. On Linux the kernel delivers SIGKILL to this process
     when its parent dies (``prctl(PR_SET_PDEATHSIG)``); then, if the parent is no longer the launcher
     (``PARATRAIN_LAUNCHER_PID``), the launcher died before that and this exits now. The store connection
-    (:func:`init`) and the heartbeat thread (:mod:`paratrain.faults`) back this up on every platform.
+    (:func:`init`) and the heartbeat thread (:mod:`paratrain.train.faults`) back this up on every platform.
     """
     if sys.platform.startswith("linux"):
         import ctypes

@@ -162,7 +162,7 @@ def test_async_save_error_fails_every_rank(dist_run: Any, tmp_path: Path) -> Non
 
 
 def _hung_peer() -> tuple[str, float]:
-    from paratrain.faults import PeerLostError, peer_guard
+    from paratrain.train.faults import PeerLostError, peer_guard
     from paratrain.runtime import init
 
     ctx = init("gloo", "cpu", 30.0, 0)

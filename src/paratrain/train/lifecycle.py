@@ -35,7 +35,7 @@ from torch import nn
 from paratrain.checkpoint import CheckpointManager, step_dir_name
 from paratrain.checkpoint.state import rng_state, set_rng_state
 from paratrain.config import RunConfig
-from paratrain.faults import maybe_fail
+from paratrain.train.faults import maybe_fail
 from paratrain.runtime import Context, attempt, seed_everything
 from paratrain.train.state import TrainState
 

@@ -34,7 +34,7 @@ from torch.profiler import record_function
 from paratrain.checkpoint import CheckpointManager
 from paratrain.config import RunConfig
 from paratrain.data import Batch, DistributedBatchSampler, Splits
-from paratrain.faults import peer_guard
+from paratrain.train.faults import peer_guard
 from paratrain.models.moe import after_optimizer_step, moe_layers, pop_aux_loss
 from paratrain.parallel import Strategy, canonical_name, model_state_bytes
 from paratrain.runtime import Context, get_logger
