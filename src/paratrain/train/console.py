@@ -140,3 +140,16 @@ def header(
         f"{dp_size} data-parallel x {grad_accum} accumulation; {steps}; {precision}; {dataset}: "
         f"{train_samples:,} train / {test_samples:,} test{unit}"
     )
+
+
+def progress_bar(ctx: Context, enabled: bool | None, total: int, initial: int) -> Any:
+    """Rank 0's tqdm bar on stderr (``train.progress``; default: when stderr is a terminal), else ``None``."""
+    if not ctx.is_main:
+        return None
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)

@@ -6,7 +6,7 @@ Fault injection:
   attempt only (:func:`paratrain.runtime.attempt` ``== 0``), so that ``--max-restarts`` brings the run back and the
   resume path is exercised exactly like a real crash (no ``finally`` blocks, no flushing, no goodbye).
 - ``PARATRAIN_FAIL_CKPT_WRITE=R``: rank R's checkpoint writer raises while writing its data, to exercise
-  the error path of (async) saves (the writer is built in :mod:`paratrain.train.trainer`, above storage).
+  the error path of (async) saves (:func:`checkpoint_writer_factory`, above storage).
 
 Dead or hung peers (:class:`PeerMonitor`): a daemon thread on every rank bumps a counter in the c10d store
 once per ``interval_s`` and publishes the rank's current step. When a collective fails (a dead peer closes
@@ -48,6 +48,21 @@ def maybe_fail(step: int, ctx: Context, fail_at_step: int | None, fail_rank: int
         flush=True,
     )
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def checkpoint_writer_factory(rank: int) -> Any:
+    """The checkpoint writer of this rank: the hashing DCP writer, or (fault injection,
+    ``PARATRAIN_FAIL_CKPT_WRITE=R`` names this rank) one whose data write raises."""
+    from paratrain.checkpoint.integrity import HashingWriter
+
+    if os.environ.get("PARATRAIN_FAIL_CKPT_WRITE") != str(rank):
+        return None  # the manager's default
+
+    class FailingWriter(HashingWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            raise OSError(f"injected checkpoint write failure on rank {rank} (PARATRAIN_FAIL_CKPT_WRITE)")
+
+    return FailingWriter
 
 
 # ---- peer liveness -------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ from torch import nn
 from paratrain.checkpoint import CheckpointManager, step_dir_name
 from paratrain.checkpoint.state import rng_state, set_rng_state
 from paratrain.config import RunConfig
-from paratrain.train.faults import maybe_fail
 from paratrain.runtime import Context, attempt, seed_everything
+from paratrain.train.faults import maybe_fail
 from paratrain.train.state import TrainState
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

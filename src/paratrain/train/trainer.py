@@ -1,4 +1,4 @@
-"""The training loop: accumulation, precision, clipping, evaluation, metrics, checkpoints, the summary.
+"""The training loop: accumulation, precision, clipping, periodic evaluation, metrics, checkpoints.
 
 One optimizer step, on every rank:
 
@@ -9,20 +9,17 @@ One optimizer step, on every rank:
     clip (global norm) -> optimizer.step() -> scheduler.step()
 
 Per-step losses stay on the device and are averaged over ranks in one all-reduce at logging time, not
-every step, so logging adds no synchronisation to the hot loop.
+every step, so logging adds no synchronisation to the hot loop. Evaluation is :mod:`paratrain.train.evaluate`,
+the end-of-run summary (digest, memory, MFU) :mod:`paratrain.train.summary`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import logging
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,137 +31,53 @@ from torch.profiler import record_function
 from paratrain.checkpoint import CheckpointManager
 from paratrain.config import RunConfig
 from paratrain.data import Batch, DistributedBatchSampler, Splits
-from paratrain.train.faults import peer_guard
 from paratrain.models.moe import after_optimizer_step, moe_layers, pop_aux_loss
-from paratrain.parallel import Strategy, canonical_name, model_state_bytes
+from paratrain.parallel import Strategy, model_state_bytes
 from paratrain.runtime import Context, get_logger
-from paratrain.spec.hardware import gpu_peak_flops
-from paratrain.train.console import ConsoleLog, header
+from paratrain.train.console import ConsoleLog, header, progress_bar
 from paratrain.train.desync import check_desync
+from paratrain.train.evaluate import eval_size, evaluate
+from paratrain.train.faults import checkpoint_writer_factory, peer_guard
 from paratrain.train.lifecycle import RunLifecycle
+from paratrain.train.loss import IGNORE_LABEL, loss_function
 from paratrain.train.memory import measure_peak
 from paratrain.train.metrics import MetricsWriter
 from paratrain.train.nonfinite import NonFiniteError, check_finite, describe
 from paratrain.train.observe import RunObservers
+from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.precision import Precision
 from paratrain.train.state import TrainState
+from paratrain.train.summary import (
+    TrainResult,
+    full_parameters,
+    gather_memory,
+    model_flops_utilization,
+    param_digest,
+)
 
-EVAL_BATCHES, LM_EVAL_BATCHES = 20, 4
-"""Global batches an evaluation covers without ``--eval-batches``: tensor data, language models."""
+__all__ = ["TrainResult", "Trainer", "build_optimizer", "build_scheduler", "full_parameters", "param_digest"]
 
 
 @dataclass
-class TrainResult:
-    """What a run produced; ``summary()`` is the ``--json`` contract of DESIGN.md."""
+class _Run:
+    """One :meth:`Trainer.fit` call's progress display and clock (what counts as training time)."""
 
-    strategy: str
-    world_size: int
-    num_params: int
-    steps: int
-    losses: list[float]
-    final_loss: float | None
-    eval_accuracy: float | None
-    eval_loss: float | None
-    samples_per_s: float | None
-    param_sha256: str | None
-    param_norm: float | None
-    model_state_bytes_per_rank: int | None
-    restarts: int
-    resumed_from_step: int | None
-    extra: dict[str, Any] = field(default_factory=dict)
+    start_step: int
+    bar: Any
+    """tqdm's bar on rank 0 at a terminal, else ``None``."""
+    console: ConsoleLog
+    measure_at: int
+    """The step run under the memory tracker (after a warm-up step when there are two or more)."""
+    t0: float = 0.0
+    eval_s: float = 0.0
+    """Seconds spent evaluating and in the per-step lifecycle (saves): kept out of throughput."""
+    tracked_s: float = 0.0
+    """Seconds of the memory-tracked step, slowed by the tracker: kept out of throughput."""
+    peak: int | None = None
+    """Live bytes of the memory-tracked step."""
 
-    def summary(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        out.update(self.extra)
-        return out
-
-
-IGNORE_LABEL = -100
-"""A label that is not predicted (a prompt token of ``--data jsonl``; ``cross_entropy``'s ``ignore_index``)."""
-
-
-def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    o = cfg.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int) -> Any:
-    o = cfg.optimizer
-
-    def factor(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "cosine":
-            span = max(1, total_steps - o.warmup_steps)
-            progress = min(1.0, (step - o.warmup_steps) / span)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _full_state_dict(model: nn.Module, cpu_offload: bool = False) -> dict[str, Any]:
-    """``get_model_state_dict(full_state_dict=True)``: every DTensor gathered to a full tensor (collective).
-
-    An ``fsdp+tp`` parameter is ``(_StridedShard(0), Shard(0))`` on a mesh whose ``dp_shard`` and ``tp`` axes are
-    not flattened, so DTensor gathers it with two all-gathers and logs a warning saying so on every rank. This
-    runs once per run, for the summary (not a hot path), so that one logger is quietened around it only."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)
-    try:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-        return dict(get_model_state_dict(model, options=options))
-    finally:
-        redistribute_log.setLevel(level)
-
-
-def full_parameters(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full, unsharded parameters in registration order, on rank 0 (``None`` on other ranks).
-
-    Collective. A pipeline rank holds only its stages (the model carries the full model's parameter order,
-    ``_paratrain_param_order``): every rank gathers its stages' full tensors (over its tensor and data
-    axes), and rank 0 collects one copy of each stage with ``gather_object`` and puts them in the full order.
-    """
-    full_order: list[str] | None = getattr(model, "_paratrain_param_order", None)
-    if full_order is not None and dist.is_initialized() and dist.get_world_size() > 1:
-        sd = _full_state_dict(model)
-        # one copy per stage is enough: only the ranks at tensor/data coordinate 0 send theirs
-        send = getattr(model, "_paratrain_pp_sender", True)
-        local = {k: v.detach().cpu() for k, v in sd.items() if isinstance(v, torch.Tensor)} if send else {}
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(local, gathered if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        merged: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            merged.update(part)
-        return {name: merged[name] for name in full_order}
-    sd = _full_state_dict(model, cpu_offload=True)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    order = [canonical_name(n) for n, _ in model.named_parameters()]
-    out: dict[str, torch.Tensor] = {}
-    for name in order:
-        t: Any = sd[name]
-        out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return out
-
-
-def param_digest(params: dict[str, torch.Tensor]) -> tuple[str, float]:
-    """sha256 of the float32 bytes of every parameter in name order, and the float64 L2 norm."""
-    h = hashlib.sha256()
-    sq = 0.0
-    for t in params.values():
-        f = t.detach().to(torch.float32).contiguous().cpu()
-        h.update(f.numpy().tobytes())
-        sq += float(f.double().pow(2).sum())
-    return h.hexdigest(), math.sqrt(sq)
+    def train_s(self) -> float:
+        return time.perf_counter() - self.t0 - self.eval_s
 
 
 class Trainer:
@@ -244,6 +157,10 @@ class Trainer:
         """Labels with ignored positions (``jsonl`` prompt/completion): the loss is normalised per step."""
         self.tokens_per_call: torch.Tensor | None = None
         """Masked labels: the global batch's predicted tokens / the loss calls of one step over all ranks."""
+
+    @property
+    def _on_cuda(self) -> bool:
+        return self.ctx.device.type == "cuda"
 
     @property
     def step(self) -> int:
@@ -342,182 +259,143 @@ class Trainer:
         return console
 
     def eval_size(self) -> int:
-        """Test samples each evaluation covers: the first ``eval_batches`` global batches (all with 0)."""
-        n, cap = len(self.data.test), self.cfg.train.eval_batches
-        if cap is None:
-            cap = LM_EVAL_BATCHES if self.data.task == "lm" else EVAL_BATCHES
-        return min(n, cap * self.cfg.train.batch_size) if cap else n
+        """Test samples each evaluation covers (:func:`paratrain.train.evaluate.eval_size`)."""
+        return eval_size(self.data, self.cfg.train)
 
-    @torch.no_grad()
     def evaluate(
         self, batch_size: int = 512, console: ConsoleLog | None = None
     ) -> tuple[float | None, float]:
-        """Accuracy (classification) and mean loss on the first :meth:`eval_size` samples of the test split,
-        split across data-parallel ranks.
+        """Accuracy (classification) and mean loss on the first :meth:`eval_size` test samples, split across
+        the data-parallel ranks (:func:`paratrain.train.evaluate.evaluate`). Collective."""
+        return evaluate(self.model, self.strategy, self.data, self.ctx, self.state.precision, self.eval_size(),
+                        step=self.state.step, batch_size=batch_size, console=console)  # fmt: skip
 
-        Every rank runs the same number of forward passes (sharded models communicate in forward), padding
-        with weight-0 samples; correct/count/loss sums are all-reduced, so the totals are exact. For a
-        language model the loss is the mean over every predicted token, and there is no accuracy.
-        """
-        model = self.model
-        model.eval()
-        test, task = self.data.test, self.data.task
-        n, r, w = self.eval_size(), self.strategy.dp_rank, self.strategy.dp_size
-        e0 = time.perf_counter()
-        if console is not None:
-            console.print(
-                f"step {self.state.step}: evaluating on {n:,} of {len(test):,} test samples (--eval-batches)"
-            )
-        mine = torch.arange(r, n, w)
-        per_rank = -(-n // w)
-        pad = per_rank - len(mine)
-        weights = torch.cat([torch.ones(len(mine)), torch.zeros(pad)])
-        mine = torch.cat([mine, torch.zeros(pad, dtype=torch.long)])
-        sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # correct, count, loss sum
-        for start in range(0, per_rank, batch_size):
-            sl = slice(start, start + batch_size)
-            batch = test.batch(mine[sl]).to(self.ctx.device)
-            wt = weights[sl].to(self.ctx.device, torch.float64)
-            with self.state.precision.autocast():
-                out = self.strategy.evaluate_forward(model, batch.inputs)
-            if out is None:  # a pipeline stage without the head: the last stage counts
-                continue
-            out, y = out.float(), batch.targets
-            count = wt
-            if task == "regression":
-                per = ((out - y) ** 2).mean(dim=1).double()
-            elif task == "lm":  # every sample counts its predicted tokens (seq_len unless labels are masked)
-                tok = nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
-                per = tok.view(y.shape).double().sum(dim=1)
-                count = wt * (y != IGNORE_LABEL).sum(dim=1).double()
-            else:
-                per = nn.functional.cross_entropy(out, y, reduction="none").double()
-                sums[0] += ((out.argmax(1) == y).double() * wt).sum()
-            sums[1] += count.sum()
-            sums[2] += (per * wt).sum()
-        if self.ctx.distributed and self.ctx.world_size > 1:
-            # every rank joins: a pipeline's non-last stages contribute zeros, replicas their shares
-            dist.all_reduce(sums, group=self.strategy.eval_group())
-        model.train()
-        acc = float(sums[0] / sums[1]) if task == "classification" else None
-        loss = float(sums[2] / sums[1])
-        if console is not None:
-            shown = f"eval loss {loss:.4f}" + (f", accuracy {acc:.2%}" if acc is not None else "")
-            console.print(f"step {self.state.step}: {shown} ({time.perf_counter() - e0:.1f} s)")
-        return acc, loss
-
+    # ---- fit: the run from resume to summary ------------------------------------------------------
     def fit(self) -> TrainResult:
-        t, st = self.cfg.train, self.state
+        """Resume, train to ``total_steps`` (or a coordinated stop), evaluate, save, and summarise."""
         self.lifecycle.resume()
+        run = self._begin()
+        # peer_guard: a collective that fails because a peer died or hung is re-raised naming that rank.
+        with peer_guard(self.ctx) as peers:
+            while self.state.step < self.state.total_steps:
+                self._run_step(run)
+                if peers is not None:
+                    peers.step = self.state.step
+                self._after_step_reports(run)
+                if self._after_step_housekeeping(run):
+                    break
+        return self._finish(run)
+
+    def _begin(self) -> _Run:
+        """The header, the progress display, the peak-memory counters and the signal handlers."""
+        t, st = self.cfg.train, self.state
         start_step = st.step
         if start_step >= st.total_steps and self.ctx.is_main:
             print(f"[paratrain] already at step {start_step} (the checkpoint resumed from), which is not before "
                   f"--steps {st.total_steps}: nothing to train. Raise --steps to continue training.",
                   file=sys.stderr, flush=True)  # fmt: skip
-        logged = st.losses
-        bar = _progress(self.ctx, t.progress, st.total_steps, start_step)
+        bar = progress_bar(self.ctx, t.progress, st.total_steps, start_step)
         console = self._console(start_step, lines=bar is None)
-        metrics_every = t.log_every or 10
+        measure_at = start_step + 1 if st.total_steps - start_step > 1 else start_step  # after a warm-up step
+        run = _Run(start_step, bar, console, measure_at)
         self.observers.begin(st.step, st.total_steps)  # the trackers start their runs: not training time
         self.ctx.synchronize()
-        on_cuda = self.ctx.device.type == "cuda"
-        if on_cuda:  # the caching allocator's peak over the training steps (not start-up, not evaluation)
+        if (
+            self._on_cuda
+        ):  # the caching allocator's peak over the training steps (not start-up, not evaluation)
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        t0 = time.perf_counter()
-        eval_time = 0.0
+        run.t0 = time.perf_counter()
         self.lifecycle.install_signal_handlers()
-        # peer_guard: a collective that fails because a peer died or hung is re-raised naming that rank.
-        peak: int | None = None
-        tracked_s = 0.0  # seconds of the memory-tracked step
-        measure_at = start_step + 1 if st.total_steps - start_step > 1 else start_step  # after a warm-up step
-        with peer_guard(self.ctx) as peers:
-            while st.step < st.total_steps:
-                if (
-                    st.step == measure_at and self.strategy.measures_peak_memory
-                ):  # one step under the memory tracker: the peak of live bytes
-                    m0 = time.perf_counter()
-                    loss, peak = measure_peak(
-                        self.train_step, self.model, self.optimizer, self.log, self.strategy.peak_by_module
-                    )
-                    tracked_s = time.perf_counter() - m0  # slowed by the tracker: kept out of throughput
-                    st.pending.append(loss)
-                else:
-                    st.pending.append(self.train_step())
-                st.step += 1
-                if peers is not None:
-                    peers.step = st.step
-                if bar is not None:
-                    bar.update(1)
-                if st.step == console.calibrate_at:  # every rank: rank 0's step time sets the cadence
-                    timed = st.step - start_step - (1 if tracked_s else 0)
-                    console.calibrate(st.step, time.perf_counter() - t0 - eval_time - tracked_s, timed)
-                show = console.due(st.step)
-                if show or st.step % metrics_every == 0 or st.step == st.total_steps:
-                    self.flush_losses()
-                    train_s = time.perf_counter() - t0 - eval_time
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{logged[-1]:.4f}")
-                    if show:
-                        console.step_line(st.step, logged[-1], self.step_lr, train_s - tracked_s)
-                    if st.step % metrics_every == 0 or st.step == st.total_steps:
-                        self.observers.on_step_end(st.step, {
-                            "step": st.step, "loss": logged[-1], "lr": self.step_lr,
-                            "train_time_s": train_s, "grad_norm": self.grad_norm, "peak_bytes": peak,
-                            **({"moe": self.moe_stats} if self.moe_stats else {})})  # fmt: skip
-                if t.eval_every and st.step % t.eval_every == 0 and st.step < st.total_steps:
-                    e0 = time.perf_counter()
-                    acc_i, eloss_i = self.evaluate(console=console)
-                    self.observers.on_eval(
-                        st.step, {"step": st.step, "eval_accuracy": acc_i, "eval_loss": eloss_i}
-                    )
-                    self.lifecycle.keep_if_best(eloss_i)
-                    eval_time += time.perf_counter() - e0
-                if t.check_desync_every and st.step % t.check_desync_every == 0:
-                    # replicas must hold identical parameters: compare digests across the data-parallel
-                    # ranks (a pipeline's stages hold different layers by design)
-                    check_desync(self.model, st.step, group=self.strategy.dp_group)
-                e0 = time.perf_counter()
-                # async-save poll, fault injection, coordinated stop on a signal, periodic save
-                stop = self.lifecycle.after_step()
-                eval_time += time.perf_counter() - e0
-                self.observers.after_step(st.step)  # --profile's schedule
-                if stop:
-                    break
+        return run
+
+    def _run_step(self, run: _Run) -> None:
+        """One optimizer step (one under the memory tracker: the peak of live bytes); its loss is pending."""
+        st = self.state
+        if st.step == run.measure_at and self.strategy.measures_peak_memory:
+            m0 = time.perf_counter()
+            loss, run.peak = measure_peak(
+                self.train_step, self.model, self.optimizer, self.log, self.strategy.peak_by_module
+            )
+            run.tracked_s = time.perf_counter() - m0  # slowed by the tracker: kept out of throughput
+            st.pending.append(loss)
+        else:
+            st.pending.append(self.train_step())
+        st.step += 1
+        if run.bar is not None:
+            run.bar.update(1)
+
+    def _after_step_reports(self, run: _Run) -> None:
+        """Progress line, metrics and observers at their cadence; evaluation and the desync check at theirs."""
+        t, st, console = self.cfg.train, self.state, run.console
+        if st.step == console.calibrate_at:  # every rank: rank 0's step time sets the cadence
+            timed = st.step - run.start_step - (1 if run.tracked_s else 0)
+            console.calibrate(st.step, run.train_s() - run.tracked_s, timed)
+        metrics_due = st.step % (t.log_every or 10) == 0 or st.step == st.total_steps
+        show = console.due(st.step)
+        if show or metrics_due:
+            self._log_step(run, show, metrics_due)
+        if t.eval_every and st.step % t.eval_every == 0 and st.step < st.total_steps:
+            e0 = time.perf_counter()
+            acc, eval_loss = self.evaluate(console=console)
+            self.observers.on_eval(st.step, {"step": st.step, "eval_accuracy": acc, "eval_loss": eval_loss})
+            self.lifecycle.keep_if_best(eval_loss)
+            run.eval_s += time.perf_counter() - e0
+        if t.check_desync_every and st.step % t.check_desync_every == 0:
+            # replicas must hold identical parameters: compare digests across the data-parallel
+            # ranks (a pipeline's stages hold different layers by design)
+            check_desync(self.model, st.step, group=self.strategy.dp_group)
+
+    def _log_step(self, run: _Run, show: bool, metrics_due: bool) -> None:
+        """Average the pending losses over ranks (collective), then print and record them."""
+        st, logged = self.state, self.state.losses
+        self.flush_losses()
+        train_s = run.train_s()
+        if run.bar is not None:
+            run.bar.set_postfix(loss=f"{logged[-1]:.4f}")
+        if show:
+            run.console.step_line(st.step, logged[-1], self.step_lr, train_s - run.tracked_s)
+        if metrics_due:
+            self.observers.on_step_end(st.step, {
+                "step": st.step, "loss": logged[-1], "lr": self.step_lr,
+                "train_time_s": train_s, "grad_norm": self.grad_norm, "peak_bytes": run.peak,
+                **({"moe": self.moe_stats} if self.moe_stats else {})})  # fmt: skip
+
+    def _after_step_housekeeping(self, run: _Run) -> bool:
+        """Async-save poll, fault injection, coordinated stop on a signal, periodic save, the profiler's
+        schedule; whether the run stops here."""
+        e0 = time.perf_counter()
+        stop = self.lifecycle.after_step()
+        run.eval_s += time.perf_counter() - e0
+        self.observers.after_step(self.state.step)  # --profile's schedule
+        return stop
+
+    def _finish(self, run: _Run) -> TrainResult:
+        """Stop the clock, evaluate, make the final save, and gather the summary (collective)."""
+        t, st = self.cfg.train, self.state
         self.lifecycle.restore_signal_handlers()
         self.ctx.synchronize()
-        cuda_peaks = (
-            [
-                torch.cuda.max_memory_allocated(self.ctx.device),
-                torch.cuda.max_memory_reserved(self.ctx.device),
-            ]
-            if on_cuda
-            else [0, 0]
-        )
-        train_time = time.perf_counter() - t0 - eval_time - tracked_s
-        if bar is not None:
-            bar.close()
-        steps_run = st.step - start_step
-        timed_steps = steps_run - (1 if tracked_s else 0)  # the memory-tracked step is not timed
+        cuda_peaks = None
+        if self._on_cuda:
+            cuda_peaks = [torch.cuda.max_memory_allocated(self.ctx.device),
+                          torch.cuda.max_memory_reserved(self.ctx.device)]  # fmt: skip
+        train_time = run.train_s() - run.tracked_s
+        if run.bar is not None:
+            run.bar.close()
+        steps_run = st.step - run.start_step
+        timed_steps = steps_run - (1 if run.tracked_s else 0)  # the memory-tracked step is not timed
         samples_per_s = (
             timed_steps * t.batch_size / train_time if timed_steps > 0 and train_time > 0 else None
         )
         self.flush_losses()
-        acc, eloss = None, None
+        acc, eval_loss = None, None
         if not self.lifecycle.stopped_by:  # a signal-stopped run skips evaluation to exit quickly
-            acc, eloss = self.evaluate(console=console)
-            self.lifecycle.keep_if_best(eloss)
+            acc, eval_loss = self.evaluate(console=run.console)
+            self.lifecycle.keep_if_best(eval_loss)
         self.observers.on_eval(
-            st.step, {"step": st.step, "eval_accuracy": acc, "eval_loss": eloss, "final": True}
+            st.step, {"step": st.step, "eval_accuracy": acc, "eval_loss": eval_loss, "final": True}
         )
         ckpt_path = self.lifecycle.finish(steps_run)  # final save, and wait for any async save in flight
-        mem = torch.tensor(  # on the backend's device: NCCL has no CPU tensors
-            [model_state_bytes(self.model, self.optimizer), peak or 0, *cuda_peaks],
-            dtype=torch.int64,
-            device=self.ctx.device,
-        )
-        if self.ctx.distributed:
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the largest rank's figures
-        state_bytes, peak_bytes = int(mem[0]), (int(mem[1]) or None) if peak is not None else None
+        mem = gather_memory(self.model, self.optimizer, self.ctx, run.peak, cuda_peaks)
         params = full_parameters(self.model)
         sha, norm = param_digest(params) if params is not None else (None, None)
         self.observers.close()  # with --profile: gathers every rank's profile summary on rank 0
@@ -534,22 +412,18 @@ class Trainer:
             "device": self.ctx.device.type,
             "backend": self.ctx.backend,
             "topology": self.strategy.topology.degrees(),
-            "peak_bytes_per_rank": peak_bytes,
+            "peak_bytes_per_rank": mem.peak,
             # what the GPU's caching allocator saw (torch.cuda.max_memory_allocated / _reserved) over the
             # training steps; null on the CPU. Allocated counts live tensors; reserved adds the cached blocks.
-            "cuda_peak_allocated_bytes_per_rank": int(mem[2]) if on_cuda else None,
-            "cuda_peak_reserved_bytes_per_rank": int(mem[3]) if on_cuda else None,
+            "cuda_peak_allocated_bytes_per_rank": mem.cuda_allocated,
+            "cuda_peak_reserved_bytes_per_rank": mem.cuda_reserved,
             "nonfinite_skipped_steps": self.nonfinite_skips,
         }
         if self.moe_stats is not None:
             extra["moe"] = self.moe_stats or None
         if self.data.task == "lm":
-            seq = int(self.data.train.x.shape[1])
-            extra["tokens_per_s"] = samples_per_s * seq if samples_per_s is not None else None
-            extra["eval_perplexity"] = math.exp(min(eloss, 700.0)) if eloss is not None else None
-            extra["mfu"] = model_flops_utilization(
-                self.model, self.ctx, seq, extra["tokens_per_s"], t.precision
-            )
+            extra.update(self._lm_figures(samples_per_s, eval_loss))
+        logged = st.losses
         return TrainResult(
             strategy=self.strategy.name,
             world_size=self.ctx.world_size,
@@ -558,83 +432,22 @@ class Trainer:
             losses=logged,
             final_loss=logged[-1] if logged else None,
             eval_accuracy=acc,
-            eval_loss=eloss,
+            eval_loss=eval_loss,
             samples_per_s=samples_per_s,
             param_sha256=sha,
             param_norm=norm,
-            model_state_bytes_per_rank=state_bytes,
+            model_state_bytes_per_rank=mem.model_state,
             restarts=self.ctx.restart_count,
             resumed_from_step=st.resumed_from,
             extra=extra,
         )
 
-
-def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
-    """Peak dense FLOP/s of ``device`` at ``precision`` (16-bit for bf16/fp16), or ``None`` when unknown
-    (CPUs, and GPUs not in the table). Used for MFU; never guessed."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
-
-
-def model_flops_utilization(
-    model: nn.Module, ctx: Context, seq_len: int, tokens_per_s: float | None, precision: str
-) -> float | None:
-    """Achieved FLOP/s over the devices' peak (PaLM's MFU): ``tokens/s x FLOPs per token / (world x peak)``,
-    with FLOPs per token from the model's spec (``6·N + 12·L·H·Q·T``, :func:`paratrain.models.llama.
-    flops_per_token`; a Hugging Face model's from its config). ``None`` when the peak of the device is not
-    known (every CPU) or the model's spec has no FLOPs count."""
-    from paratrain.models.spec import spec_of
-
-    inner = getattr(model, "module", model)  # DDP's wrapped module
-    spec = spec_of(inner)
-    peak = device_peak_flops(ctx.device, precision)
-    if spec is None or spec.flops_per_token is None or peak is None or not tokens_per_s:
-        return None
-    return tokens_per_s * spec.flops_per_token(inner, seq_len) / (ctx.world_size * peak)
-
-
-def checkpoint_writer_factory(rank: int) -> Any:
-    """The checkpoint writer of this rank: the hashing DCP writer, or (fault injection,
-    ``PARATRAIN_FAIL_CKPT_WRITE=R`` names this rank) one whose data write raises."""
-    from paratrain.checkpoint.integrity import HashingWriter
-
-    if os.environ.get("PARATRAIN_FAIL_CKPT_WRITE") != str(rank):
-        return None  # the manager's default
-
-    class FailingWriter(HashingWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            raise OSError(f"injected checkpoint write failure on rank {rank} (PARATRAIN_FAIL_CKPT_WRITE)")
-
-    return FailingWriter
-
-
-def loss_function(task: str) -> Any:
-    """The training loss of a task: cross-entropy (classification; next-token for ``lm``) or MSE."""
-
-    def classification(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(out.float(), y)
-
-    def lm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
-
-    def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(out.float(), y)
-
-    return {"classification": classification, "lm": lm, "regression": regression}[task]
-
-
-def _progress(ctx: Context, enabled: bool | None, total: int, initial: int) -> Any:
-    if not ctx.is_main:
-        return None
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-
-
-def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    path.write_text(json.dumps(summary))
+    def _lm_figures(self, samples_per_s: float | None, eval_loss: float | None) -> dict[str, Any]:
+        """A language model's ``tokens_per_s``, ``eval_perplexity`` and ``mfu``."""
+        seq = int(self.data.train.x.shape[1])
+        tokens_per_s = samples_per_s * seq if samples_per_s is not None else None
+        return {
+            "tokens_per_s": tokens_per_s,
+            "eval_perplexity": math.exp(min(eval_loss, 700.0)) if eval_loss is not None else None,
+            "mfu": model_flops_utilization(self.model, self.ctx, seq, tokens_per_s, self.cfg.train.precision),
+        }
