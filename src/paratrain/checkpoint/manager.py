@@ -28,21 +28,21 @@ rank's RNG state and the training state (validated), and only then lets DCP read
 unpickled (:mod:`paratrain.checkpoint.safe`). Any damage is one :class:`DamagedCheckpointError` naming the
 file, on every rank; :meth:`CheckpointManager.load_latest_valid` falls back to an older checkpoint instead.
 
+The manager runs the protocol; the commit, ``latest``, ``best`` and retention are
+:mod:`paratrain.checkpoint.commit`, reading back is :mod:`paratrain.checkpoint.load`.
+
 Reference: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
 import socket
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from paratrain.checkpoint import safe
+from paratrain.checkpoint.collective import agree, broadcast_object
+from paratrain.checkpoint.commit import BEST_FILE, commit, committed_since, read_best, retain, write_best
 from paratrain.checkpoint.errors import (
     CheckpointError,
     DamagedCheckpointError,
@@ -64,17 +65,12 @@ from paratrain.checkpoint.integrity import (
     FileDigest,
     HashingWriter,
     default_algorithm,
-    manifest_json,
     new_hasher,
-    write_file_hashed,
 )
 from paratrain.checkpoint.layout import (
-    LATEST_FILE,
     SkipFn,
-    by_commit_order,
     candidates,
     check_checkpoint,
-    committed_at,
     compare_state,
     find_latest_valid,
     is_valid_checkpoint,
@@ -85,66 +81,41 @@ from paratrain.checkpoint.layout import (
     step_dir_name,
     step_of,
 )
-from paratrain.checkpoint.state import (
-    FORMAT_VERSION,
-    TRAIN_STATE_FILE,
-    load_rank_state,
-    read_train_state,
-    save_rank_state,
-    write_train_state,
+from paratrain.checkpoint.load import (
+    Loaded,
+    StateFns,
+    default_state_fns,
+    load_state_dicts,
+    read_states,
+    single_process_quiet,
 )
+from paratrain.checkpoint.state import FORMAT_VERSION, TRAIN_STATE_FILE, save_rank_state, write_train_state
 from paratrain.runtime import Context
 
-StateFns = tuple[Callable[..., Any], Callable[..., Any]]
 WriterFactory = Callable[..., HashingWriter]
 """Called like :class:`HashingWriter` (``path, rank=, extra=, algorithm=``); a subclass of it is one."""
 
 __all__ = [
+    "BEST_FILE",
     "COMMIT_FILE",
     "CheckpointError",
     "CheckpointManager",
     "DamagedCheckpointError",
     "Loaded",
+    "broadcast_object",
     "check_checkpoint",
+    "committed_since",
     "compare_state",
     "find_latest_valid",
     "is_valid_checkpoint",
     "list_checkpoints",
     "mismatch_message",
     "model_shapes",
+    "read_best",
     "read_latest",
     "step_dir_name",
     "step_of",
 ]
-
-
-@dataclass
-class Loaded:
-    path: Path
-    train_state: dict[str, Any]
-    rank_state: dict[str, torch.Tensor] | None
-    """This rank's RNG/generator tensors; ``None`` when the checkpoint had no file for this rank."""
-
-
-def _default_state_fns(flatten: bool = True) -> StateFns:
-    """DCP's state-dict functions. ``flatten``: optimizer state keyed ``state.<fqn>.<key>`` and
-    ``param_groups.<fqn>.<key>`` (format 2). Each rank then saves exactly its own parameters' entries, which a
-    pipeline stage needs (the nested form keeps one rank's ``param_groups.N.params`` list, so stages holding
-    different parameters could not load it). Format-1 checkpoints were saved nested."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-
-    def _get(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        return get_state_dict(model, optimizer, options=options)
-
-    def _set(model: nn.Module, optimizer: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        set_state_dict(
-            model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
-        )
-
-    return _get, _set
-
 
 SHARED_ROOT_WAIT_S = 5.0
 """How long a rank looks for rank 0's probe file before it calls the checkpoint directory unshared."""
@@ -184,7 +155,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.ctx = ctx
         self.keep_last = keep_last
-        self._get, self._set = state_fns or _default_state_fns()
+        self._fns = state_fns or default_state_fns()
         self._custom_state_fns = state_fns is not None
         self.job_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id or default_job_id())[:64]
         self.writer_factory: WriterFactory = writer_factory or HashingWriter
@@ -267,13 +238,13 @@ class CheckpointManager:
                 writer.extra[TRAIN_STATE_FILE] = write_train_state(tmp, state, algorithm)
         except Exception as e:  # raised inside DCP's write step instead, where every rank learns of it
             writer.pending_error = e
-        model_sd, optim_sd = self._get(model, optimizer)
+        model_sd, optim_sd = self._fns[0](model, optimizer)
         if self._async is not None:
             self._async.start({"model": model_sd, "optim": optim_sd}, tmp, final, writer)
             self.blocked_s.append(time.perf_counter() - t0)
             return final
         try:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.save(
                     {"model": model_sd, "optim": optim_sd},
                     storage_writer=writer,
@@ -331,66 +302,17 @@ class CheckpointManager:
 
     def _commit(self, tmp: Path, final: Path, digests: dict[str, FileDigest] | None) -> None:
         """Rank 0 only, after every rank's files are written: manifest, rename, ``latest``, retention."""
-        if digests is None:
-            raise CheckpointError("the storage writer returned no checksums (it must be a HashingWriter)")
-        on_disk = {f.relative_to(tmp).as_posix(): f.stat().st_size for f in tmp.rglob("*") if f.is_file()}
-        unhashed = sorted(set(on_disk) ^ set(digests))
-        if unhashed:
-            raise CheckpointError(f"{', '.join(unhashed)}: on disk without a checksum, or the reverse")
-        for rel, d in digests.items():
-            if on_disk[rel] != d.size:
-                raise CheckpointError(f"{rel} has {on_disk[rel]} bytes on disk, {d.size} were written")
-        manifest = manifest_json(digests, self.checksum_algorithm, time.time())
-        write_file_hashed(tmp / COMMIT_FILE, _json_bytes(manifest), "crc32")  # its checksum is not recorded
-        old = None
-        if final.exists():  # the same step saved again (e.g. after a restart): swap, then drop the old one
-            old = self.root / f".{final.name}.old-{self.job_id}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-        os.rename(tmp, final)  # the commit
-        _fsync_dir(self.root)
-        _write_text_atomic(self.root / LATEST_FILE, final.name + "\n", f"{self.job_id}-{os.getpid()}")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        self._retain(final)
-
-    def _retain(self, newest: Path) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints (by commit time). Never touches ``newest``, the one ``latest``
-        names, or a temporary directory (a save in flight is never a ``step_*`` name). Validity here is the
-        cheap check (sizes, manifest, state), not the checksums: retention must not read every checkpoint."""
-        if self.keep_last is None:
-            return
-        # newest by commit time, not by step: a --resume never run or a rollback saves low steps next to an
-        # earlier run's higher ones, and must keep its own checkpoints, not the other run's
-        valid = by_commit_order(
-            p for p in list_checkpoints(self.root) if is_valid_checkpoint(p, verify=False)
-        )
-        best = read_best(self.root)  # --keep-best: the best evaluated checkpoint stays
-        for p in valid[: max(0, len(valid) - self.keep_last)]:
-            if p != newest and p.name != best:
-                shutil.rmtree(p, ignore_errors=True)
+        commit(self.root, tmp, final, digests, self.checksum_algorithm, self.job_id)
+        retain(self.root, self.keep_last, final)
 
     def mark_best(self, step: int, eval_loss: float) -> None:
         """Rank 0: ``DIR/best`` names the committed checkpoint of ``step`` (first line) and its eval loss
         (second line); replaced atomically. Retention never deletes the checkpoint it names."""
         if self.ctx.is_main:
-            _write_text_atomic(self.root / BEST_FILE, f"{step_dir_name(step)}\n{eval_loss!r}\n",
-                               f"{self.job_id}-{os.getpid()}")  # fmt: skip
-            self._retain(self.root / step_dir_name(step))  # the previous best may go now
+            write_best(self.root, step, eval_loss, f"{self.job_id}-{os.getpid()}")
+            retain(self.root, self.keep_last, self.root / step_dir_name(step))  # the previous best may go now
 
     # ---- verify and load --------------------------------------------------------------------------------------
-    def _agree(self, local: list[str]) -> list[str]:
-        """Every rank's problems, on every rank (one all-gather; world size 1: ``local``)."""
-        if not self.ctx.distributed:
-            return local
-        gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, local)
-        merged: list[str] = []
-        for problems in gathered:
-            merged.extend(p for p in problems or [] if p not in merged)
-        return merged
-
     def _key(self, p: Path) -> tuple[str, int, int, int] | None:
         try:
             st = (p / COMMIT_FILE).stat()
@@ -408,7 +330,7 @@ class CheckpointManager:
         """Collective: every reason ``path`` is not usable, checksums included, agreed by all ranks. Each
         rank hashes about ``1/world_size`` of the bytes; a success is remembered until ``commit.json`` changes."""
         p = Path(path)
-        problems = self._agree(self._local_check(p))
+        problems = agree(self._local_check(p), self.ctx)
         key = self._key(p)
         if not problems and key is not None:
             self._verified.add(key)
@@ -432,13 +354,8 @@ class CheckpointManager:
         state: dict[str, Any] = {}
         rank_state = None
         if not local:
-            try:
-                state = read_train_state(p, step_of(p))
-                same_world = state["world_size"] == self.ctx.world_size
-                rank_state = load_rank_state(p, self.ctx.rank) if same_world else None
-            except safe.DamagedFileError as e:
-                local = [str(e)]
-        problems = self._agree(local)
+            local, state, rank_state = read_states(p, self.ctx)
+        problems = agree(local, self.ctx)
         if problems:
             raise DamagedCheckpointError(
                 f"checkpoint {p} is not usable: {'; '.join(problems)}. Point --resume at another step "
@@ -448,45 +365,11 @@ class CheckpointManager:
         key = self._key(p)
         if key is not None:
             self._verified.add(key)
-        md = safe.read_metadata(p)
-        get, put = self._get, self._set
+        fns = self._fns
         if not self._custom_state_fns and int(state.get("format", FORMAT_VERSION)) < 2:
-            get, put = _default_state_fns(flatten=False)  # format 1: optimizer state saved nested
-        model_sd, optim_sd = get(model, optimizer)
-        shapes = model_shapes(model_sd)
-        mismatches = compare_state(md, shapes, known=self._all_names(shapes))
-        if mismatches:
-            raise CheckpointError(mismatch_message(p, mismatches))
-        to_load = {"model": model_sd, "optim": optim_sd}
-        try:
-            with _single_process_quiet():
-                dcp.load(
-                    to_load,
-                    storage_reader=safe.SafeFileSystemReader(str(p)),
-                    planner=safe.SafeLoadPlanner(),
-                    no_dist=not self.ctx.distributed,
-                )
-        except (Exception, CheckpointException) as e:  # DCP raises the same CheckpointException on all ranks
-            damaged = safe.first_cause(e, safe.DamagedFileError)
-            what = f"file {damaged.file}): {damaged.reason}" if damaged else f"while reading): {_one_line(e)}"
-            raise DamagedCheckpointError(f"checkpoint {p} is damaged ({what}", model_touched=True) from None
-        try:
-            put(model, optimizer, to_load["model"], to_load["optim"])
-        except Exception as e:
-            raise DamagedCheckpointError(
-                f"checkpoint {p} is damaged (model/optimizer state): it cannot be applied: {_one_line(e)}",
-                model_touched=True,
-            ) from None
+            fns = default_state_fns(flatten=False)  # format 1: optimizer state saved nested
+        load_state_dicts(p, model, optimizer, fns, self.ctx)
         return Loaded(p, state, rank_state)
-
-    def _all_names(self, shapes: dict[str, torch.Size]) -> set[str]:
-        """Parameter names held by any rank: a pipeline stage holds only its own layers, so a tensor of
-        another stage in the checkpoint is expected, not "unexpected". Collective when distributed."""
-        if not (self.ctx.distributed and dist.is_initialized() and dist.get_world_size() > 1):
-            return set(shapes)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(shapes))
-        return {name for names in gathered for name in names}
 
     def load_latest_valid(
         self, model: nn.Module, optimizer: Any, on_skip: SkipFn | None = None, since: float | None = None
@@ -515,74 +398,3 @@ class CheckpointManager:
                 "was partly overwritten, and no older one loads. Use --resume never to start fresh."
             )
         return None
-
-
-BEST_FILE = "best"
-"""``DIR/best``: the checkpoint with the lowest eval loss so far (``--keep-best``)."""
-
-
-def read_best(root: Path) -> str | None:
-    """The step directory name ``DIR/best`` names, or ``None``."""
-    try:
-        return (root / BEST_FILE).read_text().split("\n", 1)[0].strip() or None
-    except OSError:
-        return None
-
-
-def committed_since(path: Path, since: float) -> bool:
-    """Whether the checkpoint at ``path`` was committed at or after ``since`` (``False`` when unknown)."""
-    at = committed_at(path)
-    return at is not None and at >= since
-
-
-# ---- errors ---------------------------------------------------------------------------------------------------
-def _one_line(e: BaseException) -> str:
-    root = next((c for c in safe.causes(e) if not isinstance(c, CheckpointException)), e)
-    if isinstance(root, CheckpointException):
-        return "DCP reported a failure"
-    return safe.describe_read_error(root)
-
-
-# ---- small helpers -----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns "assuming the intent is to save in a single process" at world size 1: that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
-        yield
-
-
-def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode()
-
-
-def _write_text_atomic(path: Path, text: str, tag: str) -> None:
-    """Replace ``path`` atomically through ``NAME.tmp-TAG`` (a name no other job or process uses)."""
-    tmp = path.with_name(f"{path.name}.tmp-{tag}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def broadcast_object(obj: Any, ctx: Context) -> Any:
-    """Rank 0's ``obj`` on every rank (JSON-able objects only)."""
-    if not ctx.distributed:
-        return obj
-    box = [obj if ctx.is_main else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
