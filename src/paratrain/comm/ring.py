@@ -85,102 +85,154 @@ def ring(
     on a Gloo group whose ranks share this host, move the pieces over the ring's own TCP links
     (:mod:`._tcp`) rather than c10d's point-to-point (every rank must pass the same value).
     """
-    n, r = peers.size, peers.rank
+    n = peers.size
     max_chunk = max(b - a for a, b in bounds)
     if n == 1 or max_chunk == 0:
         if reduce_scatter:
             finish_mean_(flat, op, n)
         return
-    right, left = (r + 1) % n, (r - 1) % n
-    chunk_bytes = max_chunk * flat.element_size()
-    npieces = max(1, math.ceil(chunk_bytes / piece_bytes))
-    if npieces == 1 and chunk_bytes >= min_pipelined_bytes:
-        npieces = 2  # pipelining depth 2 at least
+    npieces = _pieces_per_chunk(max_chunk * flat.element_size(), piece_bytes, min_pipelined_bytes)
     pieces = [_split(a, b, npieces) for a, b in bounds]
     first = 0 if reduce_scatter else n - 1  # steps [first, last)
     last = 2 * (n - 1) if all_gather else n - 1
     if links and not peers.batched and flat.device.type == "cpu":
         tcp = links_for(peers)  # collective the first time on a group
         if tcp is not None:
-            _over_links(flat, pieces, op, tcp, first, last, n, r)
+            _over_links(flat, pieces, op, tcp, first, last, n, peers.rank)
             return
-    # Reduce-scatter receives go to a window of ``slots`` piece-sized scratch buffers, used round-robin
-    # in landing order (seq = position of (t, j) in the loop). Small and fixed: a few MiB however large
-    # the tensor, so no fresh pages are faulted in per call. NCCL posts a receive together with its send,
-    # one step ahead of the landing, so it needs two chunks' worth of slots.
-    piece_max = max(b - a for chunk in pieces for a, b in chunk)
-    slots = 2 * npieces if peers.batched else min(2 * npieces, max(2, scratch_bytes // max(1, piece_bytes)))
-    scratch = torch.empty(slots if reduce_scatter else 0, piece_max, dtype=flat.dtype, device=flat.device)
-    sends: dict[tuple[int, int], list[Any]] = {}
-    recvs: dict[tuple[int, int], list[Any]] = {}
+    _C10dRing(flat, pieces, npieces, op, peers, first, last, piece_bytes, scratch_bytes).run()
 
-    def recv_target(t: int, j: int) -> torch.Tensor:
+
+def _pieces_per_chunk(chunk_bytes: int, piece_bytes: int, min_pipelined_bytes: int) -> int:
+    """Pieces of about ``piece_bytes`` per chunk; two at least from ``min_pipelined_bytes`` on."""
+    npieces = max(1, math.ceil(chunk_bytes / piece_bytes))
+    if npieces == 1 and chunk_bytes >= min_pipelined_bytes:
+        npieces = 2  # pipelining depth 2 at least
+    return npieces
+
+
+class _C10dRing:
+    """The ring's steps ``[first, last)`` on c10d's point-to-point (Gloo, or NCCL with batched pairs).
+
+    Piece j of step t is sent to the right as soon as piece j of step t−1 has landed from the left (and,
+    in the reduce-scatter, been combined in); sends are only waited on at the end, or where the all-gather
+    overwrites memory a reduce-scatter send was reading.
+    """
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        pieces: list[list[tuple[int, int]]],
+        npieces: int,
+        op: str,
+        peers: Peers,
+        first: int,
+        last: int,
+        piece_bytes: int,
+        scratch_bytes: int,
+    ) -> None:
+        self.flat, self.pieces, self.npieces, self.op, self.peers = flat, pieces, npieces, op, peers
+        self.n, self.r = n, r = peers.size, peers.rank
+        self.right, self.left = (r + 1) % n, (r - 1) % n
+        self.first, self.last = first, last
+        # Reduce-scatter receives go to a window of ``slots`` piece-sized scratch buffers, used round-robin
+        # in landing order (seq = position of (t, j) in the loop). Small and fixed: a few MiB however large
+        # the tensor, so no fresh pages are faulted in per call. NCCL posts a receive together with its send,
+        # one step ahead of the landing, so it needs two chunks' worth of slots.
+        piece_max = max(b - a for chunk in pieces for a, b in chunk)
+        slots = (
+            2 * npieces if peers.batched else min(2 * npieces, max(2, scratch_bytes // max(1, piece_bytes)))
+        )
+        self.slots = slots
+        reduce_scatter = first < n - 1
+        self.scratch = torch.empty(
+            slots if reduce_scatter else 0, piece_max, dtype=flat.dtype, device=flat.device
+        )
+        self.rs_steps = max(0, min(last, n - 1) - first)
+        """Reduce-scatter steps this call runs."""
+        self.sends: dict[tuple[int, int], list[Any]] = {}
+        self.recvs: dict[tuple[int, int], list[Any]] = {}
+
+    def run(self) -> None:
+        self._post_first()
+        self._loop()
+        for works in self.sends.values():
+            wait_all(works)
+
+    def _post_first(self) -> None:
+        """Gloo: receives are posted ahead of the sends that match them, so that the bytes flow as soon as
+        the left neighbour sends (a late receive costs Gloo a notify round trip): the first ``slots``
+        reduce-scatter receives now, then one more each time a slot frees up; all-gather receives (into
+        place, no slot) one step ahead. Then the first step's sends."""
+        n, first, last, npieces = self.n, self.first, self.last, self.npieces
+        if not self.peers.batched:
+            for seq in range(min(self.slots, self.rs_steps * npieces)):
+                self._post_recv(*self._seq_to_step(seq))
+            if first + 1 < last and first + 1 >= n - 1:
+                for j in range(npieces):
+                    self._post_recv(first + 1, j)
+            if first >= n - 1:
+                for j in range(npieces):
+                    self._post_recv(first, j)
+        for j in range(npieces):
+            self._post_send(first, j)
+
+    def _loop(self) -> None:
+        """Wait for piece j of step t−1, reduce it, and immediately send it on as piece j of step t."""
+        n, first, last, npieces = self.n, self.first, self.last, self.npieces
+        for t in range(first + 1, last + 1):
+            for j in range(npieces):
+                self._land(t - 1, j)
+                if not self.peers.batched:
+                    # The reduce-scatter receive that reuses the slot just freed by landing (t−1, j).
+                    nxt = (t - 1 - first) * npieces + j + self.slots
+                    if nxt < self.rs_steps * npieces:
+                        self._post_recv(*self._seq_to_step(nxt))
+                    if n - 1 <= t + 1 < last:
+                        self._post_recv(t + 1, j)
+                if t < last:
+                    self._post_send(t, j)
+
+    def _seq_to_step(self, seq: int) -> tuple[int, int]:
+        return self.first + seq // self.npieces, seq % self.npieces
+
+    def _slot(self, t: int, j: int, size: int) -> torch.Tensor:
+        return self.scratch[((t - self.first) * self.npieces + j) % self.slots, :size]
+
+    def _recv_target(self, t: int, j: int) -> torch.Tensor:
         """Where piece j of step t lands: a scratch slot (reduce-scatter) or its final place (all-gather)."""
-        a, b = pieces[(r - t - 2) % n][j]
-        if t < n - 1:
-            return scratch[((t - first) * npieces + j) % slots, : b - a]
+        a, b = self.pieces[(self.r - t - 2) % self.n][j]
+        if t < self.n - 1:
+            return self._slot(t, j, b - a)
         # The all-gather overwrites this piece; during the reduce-scatter (step t−n+1) this rank sent it
         # from the same memory, so that send must have completed (it almost always has).
-        wait_all(sends.pop((t - n + 1, j), []))
-        return flat[a:b]
+        wait_all(self.sends.pop((t - self.n + 1, j), []))
+        return self.flat[a:b]
 
-    def post_recv(t: int, j: int) -> None:
-        target = recv_target(t, j)
-        recvs[(t, j)] = [peers.irecv(target, left, tag=t)] if target.numel() else []
+    def _post_recv(self, t: int, j: int) -> None:
+        target = self._recv_target(t, j)
+        self.recvs[(t, j)] = [self.peers.irecv(target, self.left, tag=t)] if target.numel() else []
 
-    def post_send(t: int, j: int) -> None:
-        a, b = pieces[(r - t - 1) % n][j]
-        if peers.batched:  # NCCL: the send and the receive of a piece as one group (see _common)
-            sends[(t, j)], recvs[(t, j)] = peers.exchange(flat[a:b], right, recv_target(t, j), left, tag=t)
+    def _post_send(self, t: int, j: int) -> None:
+        a, b = self.pieces[(self.r - t - 1) % self.n][j]
+        piece = self.flat[a:b]
+        if self.peers.batched:  # NCCL: the send and the receive of a piece as one group (see _common)
+            target = self._recv_target(t, j)
+            self.sends[(t, j)], self.recvs[(t, j)] = self.peers.exchange(
+                piece, self.right, target, self.left, tag=t
+            )
         else:
-            sends[(t, j)] = [peers.isend(flat[a:b], right, tag=t)] if b > a else []
+            self.sends[(t, j)] = [self.peers.isend(piece, self.right, tag=t)] if b > a else []
 
-    def land(t: int, j: int) -> None:
+    def _land(self, t: int, j: int) -> None:
         """Piece j of step t has arrived: reduce it in (reduce-scatter steps); all-gather has nothing to do."""
-        wait_all(recvs.pop((t, j)))
-        if t >= n - 1:
+        wait_all(self.recvs.pop((t, j)))
+        if t >= self.n - 1:
             return
-        a, b = pieces[(r - t - 2) % n][j]
-        combine_(flat[a:b], scratch[((t - first) * npieces + j) % slots, : b - a], op)
-        if t == n - 2:  # chunk r is complete: the one place the mean divides
-            finish_mean_(flat[a:b], op, n)
-
-    def seq_to_step(seq: int) -> tuple[int, int]:
-        return first + seq // npieces, seq % npieces
-
-    # Gloo: receives are posted ahead of the sends that match them, so that the bytes flow as soon as
-    # the left neighbour sends (a late receive costs Gloo a notify round trip): the first ``slots``
-    # reduce-scatter receives now, then one more each time a slot frees up; all-gather receives (into
-    # place, no slot) one step ahead.
-    rs_steps = max(0, min(last, n - 1) - first)
-    if not peers.batched:
-        for seq in range(min(slots, rs_steps * npieces)):
-            post_recv(*seq_to_step(seq))
-        if first + 1 < last and first + 1 >= n - 1:
-            for j in range(npieces):
-                post_recv(first + 1, j)
-        if first >= n - 1:
-            for j in range(npieces):
-                post_recv(first, j)
-    for j in range(npieces):
-        post_send(first, j)
-
-    # The loop: wait for piece j of step t−1, reduce it, and immediately send it on as piece j of step t.
-    # Sends are only waited on at the end (or by the all-gather hazard above).
-    for t in range(first + 1, last + 1):
-        for j in range(npieces):
-            land(t - 1, j)
-            if not peers.batched:
-                # The reduce-scatter receive that reuses the slot just freed by landing (t−1, j).
-                nxt = (t - 1 - first) * npieces + j + slots
-                if nxt < rs_steps * npieces:
-                    post_recv(*seq_to_step(nxt))
-                if n - 1 <= t + 1 < last:
-                    post_recv(t + 1, j)
-            if t < last:
-                post_send(t, j)
-    for works in sends.values():
-        wait_all(works)
+        a, b = self.pieces[(self.r - t - 2) % self.n][j]
+        combine_(self.flat[a:b], self._slot(t, j, b - a), self.op)
+        if t == self.n - 2:  # chunk r is complete: the one place the mean divides
+            finish_mean_(self.flat[a:b], self.op, self.n)
 
 
 def _over_links(
