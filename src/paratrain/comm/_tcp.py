@@ -346,25 +346,8 @@ def _connect(peers: Peers) -> RingLinks | None:
     """
     pg, n, r = peers.pg, peers.size, peers.rank
     timeout_s = _group_timeout(pg)
-    name = str(dist.distributed_c10d._get_process_group_name(pg))
-    instance = _INSTANCES.get(name, 0)
-    _INSTANCES[name] = instance + 1
-    try:
-        base = dist.distributed_c10d._get_process_group_store(pg)
-    except Exception:
-        base = dist.PrefixStore(f"group/{name}", dist.distributed_c10d._get_default_store())
-    store = dist.PrefixStore(f"paratrain-ring/{instance}", base)
-    mode = _mode()
-    listener: socket.socket | None = None
-    offer: dict[str, Any] = {"mode": mode, **_host_info(), "port": 0, "error": ""}
-    if mode == "auto":
-        try:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(2)
-            offer["port"] = listener.getsockname()[1]
-        except OSError as e:
-            offer["error"] = f"cannot listen on 127.0.0.1: {e}"
+    name, store = _handshake_store(pg)
+    listener, offer = _listen(_mode())
     if r == 0:
         store.set("token", secrets.token_hex(_HELLO.size - 8))  # 16 random bytes: only members read the store
     store.set(f"offer/{r}", json.dumps(offer))
@@ -377,18 +360,7 @@ def _connect(peers: Peers) -> RingLinks | None:
     status = "ok"
     if why is None:
         assert listener is not None
-        token = bytes.fromhex(_gather(store, "token", 0, peers, timeout_s, "the ring links' token")[0])
-        right, left = (r + 1) % n, (r - 1) % n
-        try:  # a failed connect still accepts, so that the right neighbour of this rank is not left waiting
-            out = socket.create_connection(("127.0.0.1", answers[right]["port"]), timeout=_ACCEPT_S)
-            out.sendall(_HELLO.pack(token, r))
-        except OSError as e:
-            status = f"could not connect to group rank {right}: {e}"
-        inp, refused, problem = _accept_left(listener, token, left)
-        status = problem or status
-        for s in (out, inp):
-            if s is not None:
-                s.settimeout(None)
+        out, inp, refused, status = _link_neighbours(listener, store, answers, peers, timeout_s)
     if listener is not None:
         listener.close()
     if why is None:
@@ -405,18 +377,74 @@ def _connect(peers: Peers) -> RingLinks | None:
             refused,
         )
     if why is not None or out is None or inp is None:
-        for s in (out, inp):
-            if s is not None:
-                s.close()
-        if r == 0:  # once per group: every rank decided the same, for the same reason
-            user = why is not None and why.startswith(f"{ENV}=c10d")
-            (log.info if user or why == _NOT_ONE_HOST else log.warning)(
-                "ring of group %s: uses c10d's point-to-point, not its own TCP links: %s",
-                name,
-                why or "the handshake failed",
-            )
+        _fall_back(out, inp, r, name, why)
         return None
     return RingLinks(peers, out, inp, timeout_s, refused)
+
+
+def _handshake_store(pg: Any) -> tuple[str, Any]:
+    """The group's name and a fresh ``paratrain-ring/<instance>/`` store of its own for this handshake."""
+    name = str(dist.distributed_c10d._get_process_group_name(pg))
+    instance = _INSTANCES.get(name, 0)
+    _INSTANCES[name] = instance + 1
+    try:
+        base = dist.distributed_c10d._get_process_group_store(pg)
+    except Exception:
+        base = dist.PrefixStore(f"group/{name}", dist.distributed_c10d._get_default_store())
+    return name, dist.PrefixStore(f"paratrain-ring/{instance}", base)
+
+
+def _listen(mode: str) -> tuple[socket.socket | None, dict[str, Any]]:
+    """This rank's listening socket on 127.0.0.1 (``auto`` only) and the offer it publishes."""
+    listener: socket.socket | None = None
+    offer: dict[str, Any] = {"mode": mode, **_host_info(), "port": 0, "error": ""}
+    if mode == "auto":
+        try:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(2)
+            offer["port"] = listener.getsockname()[1]
+        except OSError as e:
+            offer["error"] = f"cannot listen on 127.0.0.1: {e}"
+    return listener, offer
+
+
+def _link_neighbours(
+    listener: socket.socket, store: Any, answers: list[dict[str, Any]], peers: Peers, timeout_s: float
+) -> tuple[socket.socket | None, socket.socket | None, int, str]:
+    """Connect to the right neighbour and accept the left one: the two sockets, the connections refused,
+    and ``ok`` or why not."""
+    n, r = peers.size, peers.rank
+    token = bytes.fromhex(_gather(store, "token", 0, peers, timeout_s, "the ring links' token")[0])
+    right, left = (r + 1) % n, (r - 1) % n
+    out = None
+    status = "ok"
+    try:  # a failed connect still accepts, so that the right neighbour of this rank is not left waiting
+        out = socket.create_connection(("127.0.0.1", answers[right]["port"]), timeout=_ACCEPT_S)
+        out.sendall(_HELLO.pack(token, r))
+    except OSError as e:
+        status = f"could not connect to group rank {right}: {e}"
+    inp, refused, problem = _accept_left(listener, token, left)
+    for s in (out, inp):
+        if s is not None:
+            s.settimeout(None)
+    return out, inp, refused, problem or status
+
+
+def _fall_back(
+    out: socket.socket | None, inp: socket.socket | None, r: int, name: str, why: str | None
+) -> None:
+    """Close what was opened; group rank 0 logs once why the group uses c10d (every rank decided the same)."""
+    for s in (out, inp):
+        if s is not None:
+            s.close()
+    if r == 0:
+        user = why is not None and why.startswith(f"{ENV}=c10d")
+        (log.info if user or why == _NOT_ONE_HOST else log.warning)(
+            "ring of group %s: uses c10d's point-to-point, not its own TCP links: %s",
+            name,
+            why or "the handshake failed",
+        )
 
 
 def _accept_left(listener: socket.socket, token: bytes, left: int) -> tuple[socket.socket | None, int, str]:
