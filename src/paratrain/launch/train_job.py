@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paratrain.checkpoint.lock import acquire_checkpoint_lock, preflight_checkpoint_dir
 from paratrain.config import RunConfig
@@ -32,6 +32,12 @@ from paratrain.launch.agent import (
     wait_for_summary,
 )
 from paratrain.launch.failures import LaunchError
+from paratrain.spec.topology import Topology
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from paratrain.data import Splits
 
 PREFLIGHT_CHECKS: list[Callable[..., None]] = []
 """Checks from layers above launch, run on the meta model before any worker starts, as
@@ -42,16 +48,13 @@ PREFLIGHT_CHECKS: list[Callable[..., None]] = []
 def preflight_run(cfg: RunConfig) -> int:
     """Every check of ``paratrain train`` that can fail before a process starts. Returns the world size.
 
-    Also resolves the topology into ``cfg.strategy`` (``dp_replicate``/``dp_shard``/``tp``/``pp``), so the workers build
-    the mesh the launching process validated.
+    Also resolves the topology (once) into ``cfg.strategy`` (``dp_replicate``/``dp_shard``/``tp``/``pp``), so
+    the workers build the mesh the launching process validated.
     """
-    import torch
-
     from paratrain.checkpoint.inspect import preflight_resume
     from paratrain.data import build_dataset
-    from paratrain.models import build_model, get_model_builder
+    from paratrain.models import get_model_builder
     from paratrain.parallel import check_strategy, get_strategy
-    from paratrain.parallel.parallelize import preflight_features
     from paratrain.train.observe import preflight_observers
 
     preflight(cfg.launch)
@@ -63,58 +66,16 @@ def preflight_run(cfg: RunConfig) -> int:
     strategy = get_strategy(cfg.strategy.name)  # unknown names are refused by the registries themselves
     get_model_builder(cfg.model.name)
     check_strategy(strategy, world, cfg.strategy, nproc)
-    cfg.validate(world, strategy.data_parallel_size(world, cfg.strategy, nproc))
-    if cfg.train.precision == "fp16" and strategy.name in ("zero1", "zero2"):
-        # The sharded optimizer reduce-scatters and frees gradients inside backward, before a GradScaler
-        # could unscale them and check them for inf/nan: loss scaling cannot be applied correctly.
-        raise ConfigError(
-            f"--precision fp16 does not work with strategy {strategy.name!r} (its gradients are sharded "
-            "and freed before loss scaling can unscale them). Use --precision bf16."
-        )
+    dp = strategy.data_parallel_size(world, cfg.strategy, nproc)
+    cfg.validate(world, dp)
     uses_cuda = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and gpu_count() > 0)
-    if cfg.train.precision == "fp16" and not uses_cuda:
-        raise ConfigError(
-            "--precision fp16 needs a CUDA GPU (fp16 loss scaling is not supported on CPU). "
-            "Use --precision bf16, which autocasts on CPU too, or fp32."
-        )
-    for what, value in (("--ckpt-dir", cfg.checkpoint.dir), ("--run-dir", cfg.train.run_dir)):
-        if value is not None and Path(value).exists() and not Path(value).is_dir():
-            raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
+    _check_precision(cfg, strategy.name, uses_cuda)
+    _check_directories(cfg)
     data = build_dataset(cfg.data, cfg.train.seed)
     check_model_fits_data(cfg.model.name, cfg.data.name, data.task, data.input_shape)
-    dp = strategy.data_parallel_size(world, cfg.strategy, nproc)
-    if len(data.train) < cfg.train.batch_size:
-        raise ConfigError(
-            f"the training split of {cfg.data.name!r} has {len(data.train)} samples, fewer than one global "
-            f"batch of {cfg.train.batch_size}. Use a smaller --batch-size."
-        )
-    if cfg.train.batch_size // (dp * cfg.train.grad_accum) < 1:
-        raise ConfigError("the per-rank micro-batch would be empty; raise --batch-size or lower --grad-accum")
-    micro = cfg.train.batch_size // (dp * cfg.train.grad_accum)
     topo = strategy.topology_for(world, cfg.strategy, nproc)
-    if cfg.train.compile and topo.tp > 1:
-        # torch 2.13: the backward of a torch.compile'd block under the DTensor TP plan hands a plain tensor to
-        # DTensor's Redistribute backward ("'Tensor' object has no attribute '_local_tensor'"), after launch.
-        raise ConfigError(
-            f"--compile does not work with tensor parallelism yet (strategy {strategy.name!r}, tp {topo.tp}): "
-            "the compiled blocks' backward fails on DTensor gradients. Drop --compile, or use a strategy "
-            "without tp (ddp, zero3, pp, fsdp+pp)."
-        )
-    microbatches = cfg.strategy.microbatches or topo.pp
-    if topo.pp > 1 and micro % microbatches:
-        raise ConfigError(
-            f"--microbatches {microbatches} does not divide the per-rank batch {micro} (global batch "
-            f"{cfg.train.batch_size} / {dp} data-parallel ranks / grad_accum {cfg.train.grad_accum}). Choose "
-            f"--microbatches among the divisors of {micro}, or a --batch-size that splits evenly."
-        )
-    try:
-        with torch.device("meta"):
-            meta_model = build_model(cfg.model, data.input_shape, data.num_outputs)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    check_language_model(cfg.model.name, meta_model, data.input_shape)
-    for warning in preflight_features(cfg, meta_model):
-        print(f"paratrain: warning: {warning}", file=sys.stderr)
+    _check_batch(cfg, len(data.train), dp, topo, strategy.name)
+    meta_model = _meta_model(cfg, data)
     strategy.check_model(meta_model, world, cfg.strategy)
     for check in PREFLIGHT_CHECKS:  # the planner's memory guard: refuses a run that cannot fit
         check(cfg, world, nproc, meta_model, tuple(data.input_shape), topo.degrees(), uses_cuda)
@@ -125,12 +86,80 @@ def preflight_run(cfg: RunConfig) -> int:
     # the skipped checkpoints were just reported: the workers' first attempt does not repeat them
     os.environ["PARATRAIN_REPORTED_SKIPS"] = json.dumps(reported)
     if ":" not in cfg.launch.nnodes:  # a fixed world: the workers build exactly the mesh validated here
-        topo = strategy.topology_for(world, cfg.strategy, nproc)
         cfg.strategy.dp_replicate, cfg.strategy.dp_shard = topo.dp_replicate, topo.dp_shard
         cfg.strategy.tp, cfg.strategy.pp = topo.tp, topo.pp
         if topo.ep > 1:
             cfg.strategy.ep = topo.ep
     return world
+
+
+def _check_precision(cfg: RunConfig, strategy: str, uses_cuda: bool) -> None:
+    """fp16 needs loss scaling: a CUDA device, and gradients that live until the scaler unscales them."""
+    if cfg.train.precision == "fp16" and strategy in ("zero1", "zero2"):
+        # The sharded optimizer reduce-scatters and frees gradients inside backward, before a GradScaler
+        # could unscale them and check them for inf/nan: loss scaling cannot be applied correctly.
+        raise ConfigError(
+            f"--precision fp16 does not work with strategy {strategy!r} (its gradients are sharded "
+            "and freed before loss scaling can unscale them). Use --precision bf16."
+        )
+    if cfg.train.precision == "fp16" and not uses_cuda:
+        raise ConfigError(
+            "--precision fp16 needs a CUDA GPU (fp16 loss scaling is not supported on CPU). "
+            "Use --precision bf16, which autocasts on CPU too, or fp32."
+        )
+
+
+def _check_directories(cfg: RunConfig) -> None:
+    for what, value in (("--ckpt-dir", cfg.checkpoint.dir), ("--run-dir", cfg.train.run_dir)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
+
+
+def _check_batch(cfg: RunConfig, train_samples: int, dp: int, topo: Topology, strategy: str) -> None:
+    """The global batch fits the data and splits into non-empty per-rank, accumulation and pipeline
+    micro-batches; ``--compile`` is not combined with tensor parallelism."""
+    t = cfg.train
+    if train_samples < t.batch_size:
+        raise ConfigError(
+            f"the training split of {cfg.data.name!r} has {train_samples} samples, fewer than one global "
+            f"batch of {t.batch_size}. Use a smaller --batch-size."
+        )
+    if t.batch_size // (dp * t.grad_accum) < 1:
+        raise ConfigError("the per-rank micro-batch would be empty; raise --batch-size or lower --grad-accum")
+    micro = t.batch_size // (dp * t.grad_accum)
+    if t.compile and topo.tp > 1:
+        # torch 2.13: the backward of a torch.compile'd block under the DTensor TP plan hands a plain tensor to
+        # DTensor's Redistribute backward ("'Tensor' object has no attribute '_local_tensor'"), after launch.
+        raise ConfigError(
+            f"--compile does not work with tensor parallelism yet (strategy {strategy!r}, tp {topo.tp}): "
+            "the compiled blocks' backward fails on DTensor gradients. Drop --compile, or use a strategy "
+            "without tp (ddp, zero3, pp, fsdp+pp)."
+        )
+    microbatches = cfg.strategy.microbatches or topo.pp
+    if topo.pp > 1 and micro % microbatches:
+        raise ConfigError(
+            f"--microbatches {microbatches} does not divide the per-rank batch {micro} (global batch "
+            f"{t.batch_size} / {dp} data-parallel ranks / grad_accum {t.grad_accum}). Choose "
+            f"--microbatches among the divisors of {micro}, or a --batch-size that splits evenly."
+        )
+
+
+def _meta_model(cfg: RunConfig, data: Splits) -> nn.Module:
+    """The model on the meta device (no memory), checked against the data; feature warnings printed."""
+    import torch
+
+    from paratrain.models import build_model
+    from paratrain.parallel.parallelize import preflight_features
+
+    try:
+        with torch.device("meta"):
+            meta_model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_language_model(cfg.model.name, meta_model, data.input_shape)
+    for warning in preflight_features(cfg, meta_model):
+        print(f"paratrain: warning: {warning}", file=sys.stderr)
+    return meta_model
 
 
 def use_model_tokenizer(cfg: RunConfig) -> None:
