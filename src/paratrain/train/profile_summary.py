@@ -147,56 +147,26 @@ def summarize_rank(
         world_size = int(info.get("world_size", 1)) if isinstance(info, Mapping) else 1
     events = _events(trace)
     host = [e for e in events if not str(e.get("cat", "")).startswith("gpu_")]
-    step_spans = []
-    for e in host:
-        number = step_number(str(e.get("name", "")))
-        if number is not None and (steps is None or steps[0] <= number <= steps[1]):
-            step_spans.append(_span(e))
+    step_spans = [
+        _span(e)
+        for e in host
+        if (number := step_number(str(e.get("name", "")))) is not None
+        and (steps is None or steps[0] <= number <= steps[1])
+    ]
     windows = union(step_spans)
     step_total = total(windows)
     n = len(step_spans)
     gpu = any(e.get("cat") in _GPU_CATS for e in events)
-    comm_spans: list[Interval] = []
-    compute_spans: list[Interval] = []
-    if gpu:  # the device timeline: kernels only
-        for e in events:
-            if e.get("cat") not in _GPU_CATS:
-                continue
-            if is_communication(str(e.get("name", ""))):
-                if world_size > 1:
-                    comm_spans.append(_span(e))
-            else:
-                compute_spans.append(_span(e))
-        comm, compute = union(comm_spans), union(compute_spans)
-    else:  # the host timeline, per thread, inside the step spans
-        by_thread_comm: dict[Any, list[Interval]] = defaultdict(list)
-        by_thread_ops: dict[Any, list[Interval]] = defaultdict(list)
-        for e in host:
-            name = str(e.get("name", ""))
-            if name.startswith(STEP_PREFIX) or name in LABELS:
-                continue
-            thread = (e.get("pid"), e.get("tid"))
-            if is_communication(name):
-                by_thread_comm[thread].append(_span(e))
-            elif e.get("cat") == "cpu_op" and not _NOT_COMPUTE.search(name):
-                by_thread_ops[thread].append(_span(e))
-        for thread, ops in by_thread_ops.items():
-            compute_spans += subtract(union(ops), union(by_thread_comm.get(thread, [])))
-        if world_size > 1:
-            comm_spans = [s for spans in by_thread_comm.values() for s in spans]
-        comm = intersect(union(comm_spans), windows)
-        compute = intersect(union(compute_spans), windows)
+    if gpu:
+        comm, compute = _device_timeline(events, world_size)
+    else:
+        comm, compute = _host_timeline(host, windows, world_size)
     overlapped = total(intersect(comm, compute))
     comm_time, compute_time = total(comm), total(compute)
     exposed = comm_time - overlapped
 
     def label(name: str) -> float:
-        cat = "gpu_user_annotation" if gpu else None
-        spans = [_span(e) for e in events if e.get("name") == name and (cat is None or e.get("cat") == cat)]
-        if not spans:  # no device span of the label (or a CPU trace): the host's
-            spans = [_span(e) for e in host if e.get("name") == name]
-        spans = union(spans) if gpu else intersect(union(spans), windows)
-        return total(spans)
+        return _label_time(name, events, host, windows, gpu)
 
     per = 1e-3 / n if n else 0.0  # microseconds in total -> milliseconds per step
     return {
@@ -212,6 +182,65 @@ def summarize_rank(
         "optimizer_ms": label(OPTIMIZER) * per,
         "other_ms": max(0.0, step_total - compute_time - exposed) * per,
     }
+
+
+def _device_timeline(
+    events: list[Mapping[str, Any]], world_size: int
+) -> tuple[list[Interval], list[Interval]]:
+    """Communication and compute on the device timeline: kernels only."""
+    comm_spans: list[Interval] = []
+    compute_spans: list[Interval] = []
+    for e in events:
+        if e.get("cat") not in _GPU_CATS:
+            continue
+        if is_communication(str(e.get("name", ""))):
+            if world_size > 1:
+                comm_spans.append(_span(e))
+        else:
+            compute_spans.append(_span(e))
+    return union(comm_spans), union(compute_spans)
+
+
+def _host_timeline(
+    host: list[Mapping[str, Any]], windows: list[Interval], world_size: int
+) -> tuple[list[Interval], list[Interval]]:
+    """Communication and compute on the host timeline, per thread, inside the step spans: an operator's
+    time inside a communication op of its own thread counts as communication."""
+    by_thread_comm: dict[Any, list[Interval]] = defaultdict(list)
+    by_thread_ops: dict[Any, list[Interval]] = defaultdict(list)
+    for e in host:
+        name = str(e.get("name", ""))
+        if name.startswith(STEP_PREFIX) or name in LABELS:
+            continue
+        thread = (e.get("pid"), e.get("tid"))
+        if is_communication(name):
+            by_thread_comm[thread].append(_span(e))
+        elif e.get("cat") == "cpu_op" and not _NOT_COMPUTE.search(name):
+            by_thread_ops[thread].append(_span(e))
+    compute_spans: list[Interval] = []
+    for thread, ops in by_thread_ops.items():
+        compute_spans += subtract(union(ops), union(by_thread_comm.get(thread, [])))
+    comm_spans: list[Interval] = []
+    if world_size > 1:
+        comm_spans = [s for spans in by_thread_comm.values() for s in spans]
+    return intersect(union(comm_spans), windows), intersect(union(compute_spans), windows)
+
+
+def _label_time(
+    name: str,
+    events: list[Mapping[str, Any]],
+    host: list[Mapping[str, Any]],
+    windows: list[Interval],
+    gpu: bool,
+) -> float:
+    """Microseconds covered by the spans labelled ``name``: the device's annotation on a GPU trace (the
+    host's where the device has none), the host's inside the step spans on a CPU trace."""
+    cat = "gpu_user_annotation" if gpu else None
+    spans = [_span(e) for e in events if e.get("name") == name and (cat is None or e.get("cat") == cat)]
+    if not spans:  # no device span of the label (or a CPU trace): the host's
+        spans = [_span(e) for e in host if e.get("name") == name]
+    spans = union(spans) if gpu else intersect(union(spans), windows)
+    return total(spans)
 
 
 # ---- every rank -------------------------------------------------------------------------------------------
