@@ -162,8 +162,8 @@ def test_async_save_error_fails_every_rank(dist_run: Any, tmp_path: Path) -> Non
 
 
 def _hung_peer() -> tuple[str, float]:
-    from paratrain.train.faults import PeerLostError, peer_guard
     from paratrain.runtime import init
+    from paratrain.train.faults import PeerLostError, peer_guard
 
     ctx = init("gloo", "cpu", 30.0, 0)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))

@@ -17,9 +17,9 @@ from paratrain.checkpoint.errors import (
     save_failure_message,
 )
 from paratrain.errors import ConfigError, permanent_reason
-from paratrain.train.faults import PeerLostError
 from paratrain.launch.signals import no_restart_report
 from paratrain.runtime import NO_RESTART_ENV, record_errors
+from paratrain.train.faults import PeerLostError
 from paratrain.train.nonfinite import NonFiniteError
 
 
