@@ -24,7 +24,7 @@ LAYERS = [
     ("description", ["spec"], "torch-free: Topology, StrategySpec, hardware, cost, shapes"),
     ("process", ["runtime", "testing"], "Context / init, test harness"),
     ("config", ["config"], "typed dataclasses, one converter, generated flags"),
-    ("errors", ["errors", "procfs"], "ConfigError, suggest(); /proc parser"),
+    ("errors", ["errors", "procfs", "tables"], "ConfigError, suggest(); /proc parser; text tables"),
 ]
 
 

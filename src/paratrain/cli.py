@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from paratrain import __version__
 from paratrain.config import LAUNCH, TRAIN, LaunchConfig, RunConfig, add_arguments, apply_arguments
 from paratrain.errors import ConfigError
+from paratrain.tables import Col, key_values, table
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
@@ -105,9 +106,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         rows.insert(
             -2, ("GPU peak / rank", f"{alloc / 2**20:.2f} MiB allocated, {reserved / 2**20:.2f} MiB reserved")
         )
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:>{width}}  {v}")
+    print("\n".join(key_values(rows, align=">", sep=2)))
 
 
 def _run_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
@@ -128,10 +127,9 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         print(json.dumps({n: s.description for n, s in sorted(STRATEGIES.items())}
                          | {a: f"alias of {t}" for a, t in ALIASES.items()}))  # fmt: skip
         return 0
-    for n, spec in sorted(STRATEGIES.items()):
-        print(f"{n:12s} {spec.description}")
-    for a, t in sorted(ALIASES.items()):
-        print(f"{a:12s} alias of {t}")
+    rows = [(n, spec.description) for n, spec in sorted(STRATEGIES.items())]
+    rows += [(a, f"alias of {t}") for a, t in sorted(ALIASES.items())]
+    print("\n".join(table([Col(width=12), Col()], rows, header=False)))
     return 0
 
 
@@ -143,8 +141,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dict(rows)))
         return 0
-    for name, text in rows:
-        print(f"{name:26s} {text}")
+    print("\n".join(table([Col(width=26), Col()], rows, header=False)))
     flag = "--model" if args.command == "models" else "--data"
     print(f"\nyour own: {flag} pkg.module:factory (docs/python-api.md)")
     return 0

@@ -27,6 +27,7 @@ from paratrain.comm._ops import OPS
 from paratrain.config import LaunchConfig
 from paratrain.errors import ConfigError
 from paratrain.spec.cost import BUS_FACTORS
+from paratrain.tables import Col, table
 
 COLLECTIVES = tuple(BUS_FACTORS)  # all_reduce, all_gather, reduce_scatter, broadcast, reduce
 DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
@@ -194,21 +195,23 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     rows = result["results"]
     native = {(r["collective"], r["bytes"]): r["busbw_GBps"] for r in rows if r["algorithm"] == "native"}
-    header = f"{'size':>8}  {'algorithm':<9} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11} {'model (us)':>11} {'vs native':>10}"
+    cols = [Col("size", ">", 8), Col("algorithm", "<", 9, gap=2), Col("time (us)", ">", 11),
+            Col("algbw GB/s", ">", 11), Col("busbw GB/s", ">", 11), Col("model (us)", ">", 11),
+            Col("vs native", ">", 10)]  # fmt: skip
     for collective in dict.fromkeys(r["collective"] for r in rows):
-        lines += ["", f"{collective} (busbw = algbw × {_factor_text(collective)})", header]
+        lines += ["", f"{collective} (busbw = algbw × {_factor_text(collective)})"]
+        cells, notes = [], []
         last = None
         for r in (r for r in rows if r["collective"] == collective):
             size = format_size(r["bytes"]) if r["bytes"] != last else ""
             last = r["bytes"]
-            model = f"{r['model_s'] * 1e6:11.1f}" if r["model_s"] is not None else f"{'-':>11}"
             ref = native.get((collective, r["bytes"]))
-            ratio = f"{r['busbw_GBps'] / ref:9.2f}x" if ref else f"{'-':>10}"
-            lines.append(
-                f"{size:>8}  {r['algorithm']:<9} {r['time_s'] * 1e6:11.1f} {r['algbw_GBps']:11.3f} "
-                f"{r['busbw_GBps']:11.3f} {model} {ratio}"
-                + (f"  ({r['shm_path']} path)" if "shm_path" in r else "")
-            )
+            cells.append([size, r["algorithm"], f"{r['time_s'] * 1e6:.1f}", f"{r['algbw_GBps']:.3f}",
+                          f"{r['busbw_GBps']:.3f}", f"{r['model_s'] * 1e6:.1f}" if r["model_s"] is not None else "-",
+                          f"{r['busbw_GBps'] / ref:.2f}x" if ref else "-"])  # fmt: skip
+            notes.append(f"  ({r['shm_path']} path)" if "shm_path" in r else "")
+        head, *body = table(cols, cells)
+        lines += [head] + [line + note for line, note in zip(body, notes, strict=True)]
     lines += ["", "fastest algorithm by size:"]
     for collective, by_alg in winners(result).items():
         parts = [f"{alg} at {', '.join(format_size(s) for s in sizes)}" for alg, sizes in by_alg.items()]

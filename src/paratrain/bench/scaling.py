@@ -32,6 +32,7 @@ from typing import Any
 from paratrain.config import TRAIN, RunConfig, apply_arguments
 from paratrain.config import add_arguments as add_config_arguments
 from paratrain.errors import ConfigError
+from paratrain.tables import Col, table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,23 +156,24 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['strategy']}, {result['steps']} steps; {result['cpu_cores']} CPU core(s), "
         f"{result['threads_per_rank']} thread(s) per rank"
         + (f", {result['gpus']} GPU(s)" if result["gpus"] else ""),
-        f"{'world':>5} {'global batch':>12} {'samples/s':>10} {'step (ms)':>10} {'speed-up':>9} {'efficiency':>10}",
     ]
+    cols = [Col("world", ">", 5), Col("global batch", ">", 12), Col("samples/s", ">", 10),
+            Col("step (ms)", ">", 10), Col("speed-up", ">", 9), Col("efficiency", ">", 10)]  # fmt: skip
+    rows, notes = [], []
     for r in result["rows"]:
         if r.get("samples_per_s") is None:
-            lines.append(
-                f"{r['world_size']:>5} {r['global_batch']:>12}  failed: {r.get('error', 'no result')}"
-            )
+            rows.append([str(r["world_size"]), str(r["global_batch"])])
+            notes.append(f"  failed: {r.get('error', 'no result')}")
             continue
-        note = (
+        rows.append([str(r["world_size"]), str(r["global_batch"]), f"{r['samples_per_s']:.1f}",
+                     f"{r['step_time_s'] * 1e3:.2f}", f"{r['speedup']:.2f}x", f"{r['efficiency']:.0%}"])  # fmt: skip
+        notes.append(
             f"  oversubscribed: {r['world_size']} rank(s) on {result['cpu_cores']} core(s)"
             if r["oversubscribed"]
             else ""
         )
-        lines.append(
-            f"{r['world_size']:>5} {r['global_batch']:>12} {r['samples_per_s']:>10.1f} "
-            f"{r['step_time_s'] * 1e3:>10.2f} {r['speedup']:>8.2f}x {r['efficiency']:>9.0%}" + note
-        )
+    head, *body = table(cols, rows)
+    lines += [head] + [line + note for line, note in zip(body, notes, strict=True)]
     lines.append("speed-up = samples/s over the smallest world size's; efficiency = speed-up / (N / N0)")
     return "\n".join(lines)
 

@@ -36,6 +36,7 @@ from paratrain.checkpoint.layout import (
 )
 from paratrain.checkpoint.state import TRAIN_STATE_FILE, check_train_state
 from paratrain.errors import ConfigError
+from paratrain.tables import Col, table
 
 if TYPE_CHECKING:
     from paratrain.config import RunConfig
@@ -142,7 +143,9 @@ def format_inspect(info: dict[str, Any]) -> str:
     lines = [f"{info['root']}: latest -> {info['latest']}, --resume auto loads {info['resume_auto']}"]
     for note in info.get("notes") or ([info["latest_problem"]] if info.get("latest_problem") else []):
         lines.append(f"warning: {note}")
-    lines.append(f"{'step':>10} {'size':>10} {'world':>5} {'strategy':>9} {'model':>8}  status")
+    cols = [Col("step", ">", 10), Col("size", ">", 10), Col("world", ">", 5), Col("strategy", ">", 9),
+            Col("model", ">", 8), Col("status", gap=2)]  # fmt: skip
+    rows = []
     for c in info["checkpoints"]:
         if c.get("verified", True):
             ok = "valid"
@@ -151,10 +154,9 @@ def format_inspect(info: dict[str, Any]) -> str:
         else:
             ok = "valid (sizes only: --fast)"
         status = ok if c["valid"] else "INVALID: " + "; ".join(c["problems"])
-        lines.append(
-            f"{c['step']!s:>10} {c['bytes'] / 2**20:>8.2f}Mi {c['world_size']!s:>5} "
-            f"{c['strategy']!s:>9} {c['model']!s:>8}  {status}"
-        )
+        rows.append([str(c["step"]), f"{c['bytes'] / 2**20:.2f}Mi", str(c["world_size"]), str(c["strategy"]),
+                     str(c["model"]), status])  # fmt: skip
+    lines += table(cols, rows)
     for name in info["in_progress"]:
         lines.append(f"{name}: unfinished save (being written, or left by a crash; never loaded)")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import ConfigError
+from paratrain.tables import Col, table
 
 from .engine import RULES, SYNTAX_ERROR, SYNTAX_ERROR_CODE, LintReport, lint_paths, load_rules
 from .settings import LintSettings, find_settings
@@ -66,9 +67,8 @@ def _list_rules(as_json: bool) -> int:
         keys = ("id", "code", "tier", "severity", "summary")
         print(json.dumps({"rules": [dict(zip(keys, row, strict=True)) for row in rows]}))
         return 0
-    width = max(len(row[0]) for row in rows)
-    for rule_id, code, tier, severity, summary in rows:
-        print(f"{rule_id:<{width}}  {code}  {tier:<7}  {severity:<7}  {summary}")
+    cols = [Col(), Col(), Col(width=7), Col(width=7), Col()]
+    print("\n".join(table(cols, rows, header=False, sep=2)))
     return 0
 
 

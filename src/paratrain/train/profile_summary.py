@@ -34,6 +34,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from paratrain.tables import Col, table
+
 Interval = tuple[float, float]
 """``(start, end)`` in microseconds, as the trace's ``ts`` and ``ts + dur``."""
 
@@ -278,10 +280,12 @@ def format_table(summary: Mapping[str, Any]) -> str:
     span = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
     head = (f"paratrain profile: {span} ({summary.get('timeline', 'cpu')} timeline), "
             "milliseconds per step, per rank")  # fmt: skip
-    lines = [head, f"{'rank':>4} " + " ".join(f"{title:>10}" for title, _ in _COLUMNS)]
-    for r in summary.get("ranks", []):
-        cells = [f"{r[key]:10.2f}" if r.get(key) is not None else f"{'-':>10}" for _, key in _COLUMNS]
-        lines.append(f"{r['rank']:>4} " + " ".join(cells))
+    cols = [Col("rank", ">", 4)] + [Col(title, ">", 10) for title, _ in _COLUMNS]
+    rows = [
+        [str(r["rank"])] + [f"{r[key]:.2f}" if r.get(key) is not None else "-" for _, key in _COLUMNS]
+        for r in summary.get("ranks", [])
+    ]
+    lines = [head, *table(cols, rows)]
     if summary.get("slowest_rank") is not None:
         slow = next(r for r in summary["ranks"] if r["rank"] == summary["slowest_rank"])
         pct = summary.get("slowest_gap_pct")
