@@ -300,9 +300,8 @@ class Trainer:
         run = _Run(start_step, bar, console, measure_at)
         self.observers.begin(st.step, st.total_steps)  # the trackers start their runs: not training time
         self.ctx.synchronize()
-        if (
-            self._on_cuda
-        ):  # the caching allocator's peak over the training steps (not start-up, not evaluation)
+        # the caching allocator's peak over the training steps (not start-up, not evaluation)
+        if self._on_cuda:
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         run.t0 = time.perf_counter()
         self.lifecycle.install_signal_handlers()
