@@ -6,8 +6,11 @@ and optimizer state: a rank holds 16Ψ/N bytes of fp32 Adam model state. paratra
 
 - **Shard units** are wrapped bottom-up: every module of ``strategy.shard_units`` (by default each of
   ``model.blocks``, i.e. one per transformer / residual / conv block), then the root, which picks up the
-  remaining parameters (stem, head). Each unit's parameters become DTensors sharded along dim 0 over the
-  mesh's ``dp_shard`` axis.
+  remaining parameters (stem, head). With ``blocks``, a model exposing untied input and output embeddings
+  (Hugging Face's ``get_input_embeddings``/``get_output_embeddings``) gets each as a unit of its own too, as
+  Accelerate's FSDP2 preparation does, so the vocabulary-sized matrices are not gathered with the root
+  (:func:`embedding_units`). Each unit's parameters become DTensors sharded along dim 0 over the mesh's
+  ``dp_shard`` axis.
 - **Communication schedule, per unit.** Forward: all-gather the unit's parameters just before its
   forward (FSDP2 prefetches the next unit's all-gather while this one computes), free them after it
   (``reshard_after_forward``; the root keeps its own). Backward: all-gather again, compute gradients,
@@ -73,6 +76,29 @@ def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
     return units
 
 
+def embedding_units(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``([input embedding], [output head])`` of a model that exposes them (``get_input_embeddings`` and
+    ``get_output_embeddings``, as Hugging Face models do) with untied weights, else ``([], [])``.
+
+    Wrapped as their own units, the embedding table is gathered only around the first layer's forward and
+    backward, and the head from the end of forward to the start of backward, instead of both staying in the
+    root unit, which gathers them (a vocabulary-sized pair of matrices) before forward and again before
+    backward. Tied weights stay in the root: one parameter cannot belong to two units."""
+    get_in, get_out = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
+    if not callable(get_in) or not callable(get_out):
+        return [], []
+    inp, out = get_in(), get_out()
+    if not isinstance(inp, nn.Module) or not isinstance(out, nn.Module):
+        return [], []
+    w_in, w_out = getattr(inp, "weight", None), getattr(out, "weight", None)
+    if w_in is None or w_out is None or w_in is w_out:
+        return [], []
+    return [inp], [out]
+
+
 class _FullyShard(Strategy):
     """FSDP2 over the ``dp_shard`` axis (``zero3``) or the 2-D ``(dp_replicate, dp_shard)`` sub-mesh (``hsdp``)."""
 
@@ -106,8 +132,12 @@ class _FullyShard(Strategy):
         names = parameter_names(model)
         model = to_device(model, self.ctx.device)
         kw = dict(mesh=self._dp_mesh(), **self._policies())
-        for unit in shard_units(model, self.config.shard_units):  # bottom-up: units first, root last
+        units = shard_units(model, self.config.shard_units)
+        embed, head = embedding_units(model) if self.config.shard_units.strip() == "blocks" else ([], [])
+        for unit in embed + units:  # bottom-up: units first, root last
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kw)
+        for unit in head:  # used last in forward, first in backward: kept gathered in between
+            fully_shard(unit, reshard_after_forward=False, **kw)
         fully_shard(model, reshard_after_forward=self.reshard_after_forward, **kw)
         return model, rebind_optimizer(optimizer, names, model)
 
