@@ -6,8 +6,8 @@ The model: bench_hf.py's random ``LlamaForCausalLM`` of about 100 M parameters (
 Both runners live in the same 2 processes and take the same batches in the same order:
 
 - **paratrain**: the trainer of ``paratrain train --model hf:DIR --strategy zero3`` (``build_trainer``: its
-  data, sampler, AdamW, constant schedule, FSDP2 over the decoder layers and the root, each rank reading its
-  slices of the weights), one ``Trainer.train_step`` per step.
+  data, sampler, AdamW, constant schedule, FSDP2 over the decoder layers, the embedding, the head and the root,
+  each rank reading its slices of the weights), one ``Trainer.train_step`` per step.
 - **Accelerate**: the script an Accelerate user writes: ``AutoModelForCausalLM.from_pretrained(DIR)``,
   ``torch.optim.AdamW`` with the same settings, ``accelerator.prepare(model, optimizer)`` with a
   ``FullyShardedDataParallelPlugin(fsdp_version=2)`` wrapping each ``LlamaDecoderLayer`` (FULL_SHARD, reshard
