@@ -127,6 +127,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int | None, float | None]]] = {
         ("ep", {"ep": 2, "comm_algorithm": "pairwise"}, None, None),
         ("fsdp+tp+ep", {"tp": 2, "ep": 2}, None, None),
         ("fsdp+tp+ep", {"tp": 2, "ep": 4}, None, 0.05),
+        ("fsdp+tp+ep", {"tp": 2, "ep": 4, "comm_algorithm": "pairwise"}, 3, None),
         ("fsdp+ep+pp", {"pp": 2, "ep": 2}, None, 0.05),
         ("fsdp+ep+pp", {"pp": 2, "ep": 2}, 1, None),
     ],
