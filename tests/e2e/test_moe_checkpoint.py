@@ -107,3 +107,8 @@ def test_fsdp_ep_pp_checkpoint_continues_under_single(tmp_path: Path) -> None:
     assert b["resumed_from_step"] == 2
     assert a["losses"] + b["losses"][2:] == pytest.approx(ref["losses"], rel=1e-4)
     assert b["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5)
+    # the summary's expert load covers every MoE block of both stages, in layer order: each block routed the
+    # step's tokens x top_k (dropless), as the single-process run's blocks did
+    tables, ref_tables = a["moe"]["tokens_per_expert"], ref["moe"]["tokens_per_expert"]
+    assert len(tables) == len(ref_tables) > 1
+    assert [sum(t) for t in tables] == [sum(t) for t in ref_tables]

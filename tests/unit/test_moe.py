@@ -198,3 +198,19 @@ def test_fsdp_ep_pp_preset_and_refusals() -> None:
     cls.check_model(model, 4, StrategyConfig(name="fsdp+ep+pp"))
     with pytest.raises(ConfigError, match=r"aux_loss_coef=0.01: under fsdp\+ep\+pp only the last stage"):
         cls.check_model(aux, 4, StrategyConfig(name="fsdp+ep+pp"))
+
+
+def test_stage_stats_merge_in_layer_order() -> None:
+    from paratrain.models.moe import merge_stage_stats
+
+    late = (["layers.10.moe", "layers.3.moe"], {"tokens_per_expert": [[4, 0], [1, 3]], "overload": 2.0,
+                                                "dropped_fraction": 0.5, "aux_loss": 0.25})  # fmt: skip
+    early = (["layers.1.moe"], {"tokens_per_expert": [[2, 2, 4, 0]][:1], "overload": 1.5,
+                                "dropped_fraction": 0.0, "aux_loss": 0.5})  # fmt: skip
+    merged = merge_stage_stats([late, (["x"], None), early])
+    assert merged is not None
+    assert merged["tokens_per_expert"] == [[2, 2, 4, 0], [1, 3], [4, 0]]
+    assert merged["overload"] == 2.0
+    assert merged["dropped_fraction"] == pytest.approx(0.5 * 8 / 16)
+    assert merged["aux_loss"] == pytest.approx(0.75)
+    assert merge_stage_stats([(["x"], None)]) is None

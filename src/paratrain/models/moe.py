@@ -344,3 +344,43 @@ def after_optimizer_step(
         "dropped_fraction": float(dropped / assigned) if assigned > 0 else 0.0,
         "aux_loss": float(aux) / (ranks * micro_batches),
     }
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    """Sort key of an MoE block's module name: the number after ``layers`` (a pipeline stage keeps the global
+    keys of its blocks), then the name."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1]), name
+    return -1, name
+
+
+def merge_stage_stats(parts: list[tuple[list[str], dict[str, Any] | None]]) -> dict[str, Any] | None:
+    """One run's expert-load figures from those of its pipeline stages.
+
+    ``parts`` holds, per stage rank, the module names of its MoE blocks and what :func:`after_optimizer_step`
+    returned there (``None`` for a stage without MoE blocks). ``tokens_per_expert`` lists every block of the
+    model in layer order; ``overload`` is the largest; ``dropped_fraction`` is weighted by the tokens each stage
+    routed; ``aux_loss`` adds up (each stage's blocks contribute their own terms)."""
+    rows: dict[str, list[int]] = {}
+    overload, dropped, routed, aux, any_stats = 0.0, 0.0, 0.0, 0.0, False
+    for names, stats in parts:
+        if not stats:
+            continue
+        any_stats = True
+        tables = stats["tokens_per_expert"]
+        rows.update(zip(names, tables, strict=True))
+        stage_routed = float(sum(sum(t) for t in tables))
+        overload = max(overload, float(stats["overload"]))
+        dropped += float(stats["dropped_fraction"]) * stage_routed
+        routed += stage_routed
+        aux += float(stats["aux_loss"])
+    if not any_stats:
+        return None
+    return {
+        "tokens_per_expert": [rows[n] for n in sorted(rows, key=_layer_index)],
+        "overload": overload,
+        "dropped_fraction": dropped / routed if routed > 0 else 0.0,
+        "aux_loss": aux,
+    }

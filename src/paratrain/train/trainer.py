@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from paratrain.checkpoint import CheckpointManager
 from paratrain.config import RunConfig
 from paratrain.data import Batch, DistributedBatchSampler, Splits
-from paratrain.models.moe import after_optimizer_step, moe_layers, pop_aux_loss
+from paratrain.models.moe import MoE, after_optimizer_step, merge_stage_stats, moe_layers, pop_aux_loss
 from paratrain.parallel import Strategy, model_state_bytes
 from paratrain.runtime import Context, get_logger
 from paratrain.train.console import ConsoleLog, header, progress_bar
@@ -149,7 +149,7 @@ class Trainer:
         """The global gradient norm of the last step, when ``optimizer.grad_clip`` computes it."""
         self.step_lr: float | None = None
         """The learning rate the last optimizer step used (logged as ``lr``; the scheduler has moved on)."""
-        self.moe_stats: dict[str, Any] | None = {} if moe_layers(model) else None
+        self.moe_stats: dict[str, Any] | None = {} if moe_layers(model) or self._moe_stages() else None
         """MoE models: the last step's expert load (:func:`paratrain.models.moe.after_optimizer_step`)."""
         self.nonfinite_skips = 0
         """Steps skipped because of a non-finite loss or gradient (``--set train.on_nonfinite=skip``)."""
@@ -243,7 +243,19 @@ class Trainer:
             st.scheduler.step()
         if self.moe_stats is not None:  # expert counts summed over the data-parallel ranks, bias updated
             self.moe_stats = after_optimizer_step(self.model, self.strategy.moe_group, t.grad_accum)
+            if self._moe_stages():  # each stage counted its own blocks: one table of every block, in order
+                names = [n for n, m in self.model.named_modules() if isinstance(m, MoE)]
+                parts: list[Any] = [None] * self.strategy.topology.pp
+                dist.all_gather_object(
+                    parts, (names, self.moe_stats), group=self.strategy.axis_group(("pp",))
+                )
+                self.moe_stats = merge_stage_stats(parts) or {}
         return loss
+
+    def _moe_stages(self) -> bool:
+        """Expert parallelism over pipeline stages: every stage rank joins the stages' expert-load gather,
+        also a stage without MoE blocks."""
+        return bool(self.strategy.uses_ep and self.strategy.uses_pp and self.strategy.topology.pp > 1)
 
     def _console(self, start_step: int, lines: bool) -> ConsoleLog:
         """Rank 0's header (printed now) and progress lines (:mod:`paratrain.train.console`)."""
