@@ -117,7 +117,7 @@ def test_other_sharding_options_are_refused_where_they_do_not_apply() -> None:
         ("zero3", {"sequence_parallel": False}, "--no-sequence-parallel applies to tensor parallelism"),
         ("ddp", {"pp_schedule": "gpipe", "microbatches": 3},
          "--pp-schedule gpipe --microbatches 3 applies to a pipeline, which strategy 'ddp' does not have. Use "
-         "a strategy with a pipeline \\(fsdp\\+pp, fsdp\\+tp\\+pp, pp\\), or leave them out."),
+         "a strategy with a pipeline \\(fsdp\\+ep\\+pp, fsdp\\+pp, fsdp\\+tp\\+pp, pp\\), or leave them out."),
         ("tp", {"microbatches": 2}, "--microbatches 2 applies to a pipeline, which strategy 'tp'"),
         ("pp", {"loss_parallel": True}, "--loss-parallel applies to tensor parallelism, which strategy 'pp'"),
         ("single", {"pp_schedule": "interleaved-1f1b"}, "--pp-schedule interleaved-1f1b applies to a pipeline"),

@@ -6,6 +6,7 @@ tracker runs, and the refusals before launch."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.unit.test_observe import ctx
 
 pytestmark = pytest.mark.timeout(120)
 
-ALL = [n for n, (module, _) in trackers.PACKAGES.items() if trackers._importable(module)]
+ALL = [n for n, (module, _) in trackers.PACKAGES.items() if importlib.util.find_spec(module) is not None]
 MOE = {"tokens_per_expert": [[3, 5]], "overload": 1.25, "dropped_fraction": 0.0, "aux_loss": 0.5}
 
 
@@ -70,7 +71,9 @@ def test_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.train.tracker == "wandb,csv" and tracker_names(cfg.train) == ("csv", "tensorboard", "wandb")
     with pytest.raises(ConfigError, match=r"tracker='neptune' is not valid"):
         RunConfig().override(["train.tracker=csv,neptune"])
-    monkeypatch.setattr(trackers, "_importable", lambda module: module != "mlflow")
+    monkeypatch.setattr(
+        trackers, "_import_problem", lambda module: "not installed" if module == "mlflow" else None
+    )
     with pytest.raises(ConfigError, match=r"pip install mlflow-skinny==3\.17\.2 .*paratrain\[trackers\]"):
         check_trackers(RunConfig().override(["train.tracker=csv,mlflow"]).train)
     check_trackers(RunConfig().override(["train.tracker=csv,wandb"]).train)  # csv needs nothing

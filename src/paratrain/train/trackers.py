@@ -77,23 +77,30 @@ def tracker_names(train: TrainConfig) -> tuple[str, ...]:
 
 
 def check_trackers(train: TrainConfig) -> None:
-    """A :class:`ConfigError` before launch for each tracker whose package cannot be found."""
-    missing = [n for n in tracker_names(train) if n in PACKAGES and not _importable(PACKAGES[n][0])]
+    """A :class:`ConfigError` before launch for each tracker whose package is not installed or does not import
+    (a broken install, e.g. a conflicting dependency, is found here rather than on rank 0 mid-start)."""
+    problems = {n: _import_problem(PACKAGES[n][0]) for n in tracker_names(train) if n in PACKAGES}
+    missing = [n for n, why in problems.items() if why]
     if missing:
         pins = " ".join(PACKAGES[n][1] for n in missing)
         what = f"the {' and '.join(missing)} tracker" + ("s" if len(missing) > 1 else "")
+        why = "; ".join(f"{n}: {problems[n]}" for n in missing)
         raise ConfigError(
             f"{what} (--tracker{', --tensorboard' if 'tensorboard' in missing else ''}) need(s) "
-            f"{pins.replace(' ', ' and ')}, which is not installed. Install it with pip install {pins} (or "
-            "pip install 'paratrain[trackers]' for every tracker), or run without it."
+            f"{pins.replace(' ', ' and ')}, which cannot be imported ({why}). Install it with pip install {pins} "
+            "(or pip install 'paratrain[trackers]' for every tracker), or run without it."
         )
 
 
-def _importable(module: str) -> bool:
+def _import_problem(module: str) -> str | None:
+    """Why ``module`` cannot be imported, or ``None`` when it imports."""
     try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+        if importlib.util.find_spec(module) is None:
+            return "not installed"
+        importlib.import_module(module)
+    except Exception as e:  # any failure to import is a broken install: named in the refusal
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _finite(value: Any) -> bool:
