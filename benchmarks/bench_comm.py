@@ -9,10 +9,12 @@ algorithms are compared within one run, interleaved iteration by iteration. Four
 3. ``large`` (repeated): ring vs native all_reduce at 16, 64 and 256 MB: the ring/native busbw ratio;
 4. ``small`` (repeated): naive vs tree (vs native) all_reduce at 1-64 KB: the tree/naive speed ratio.
 
-    python benchmarks/bench_comm.py                 # about 15 minutes on the 2-core CPU VM
-    python benchmarks/bench_comm.py --quick         # a smoke run: two sizes, few iterations
+    python benchmarks/bench_comm.py --tag r2        # about 15 minutes on the 2-core CPU VM
+    python benchmarks/bench_comm.py --quick --out /tmp/comm   # a smoke run: two sizes, few iterations
 
-It prints markdown tables and writes the JSON of every run next to the plots.
+It prints markdown tables and writes the JSON of every run next to the plots: ``comm_{run}.json`` (with
+``--tag T``: ``comm_{run}_T.json``). A stored file is never overwritten: pick a new tag. Each run records
+its conditions (UTC start and end, 1-minute load average before and after, torch version, git commit).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +34,33 @@ from paratrain.bench.comm import format_size, plot, winners
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _conditions() -> dict[str, Any]:
+    """What the whole benchmark ran on: torch, the commit, the CPU count."""
+    import torch
+
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+        cwd=Path(__file__).resolve().parent,
+    )  # fmt: skip
+    return {"torch": torch.__version__, "commit": git.stdout.strip() or None, "cpus": os.cpu_count()}
+
+
 def bench(args: list[str]) -> dict[str, Any]:
-    """``paratrain bench comm ARGS --json`` as a subprocess; its JSON result."""
+    """``paratrain bench comm ARGS --json`` as a subprocess; its JSON result with the run's time and load."""
     cmd = [sys.executable, "-m", "paratrain", "bench", "comm", *args, "--json"]
     print("$ paratrain bench comm " + " ".join(args), file=sys.stderr, flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start, load = _utc(), os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"paratrain bench comm failed ({proc.returncode}):\n{proc.stderr}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    result = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    result.update(utc_start=start, utc_end=_utc(), load_avg_before=load, load_avg_after=os.getloadavg()[0])
+    return result
 
 
 def rows_by(result: dict[str, Any]) -> dict[tuple[str, int, str], dict[str, Any]]:
@@ -85,8 +106,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the two ratio runs")
     parser.add_argument("--quick", action="store_true", help="smoke run: few sizes and iterations")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tag", default="", help="suffix of the file names: comm_{run}_TAG.json, .png")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    suffix = f"_{args.tag}" if args.tag else ""
+    names = [f"comm_{run}{suffix}.json" for run in ("sweep", "collectives", "large", "small")]
+    names += [f"comm_busbw{suffix}.png", f"comm_busbw_collectives{suffix}.png"]
+    taken = [name for name in names if (args.out / name).exists()]
+    if taken:
+        raise SystemExit(
+            f"{args.out} already holds {', '.join(taken)}: pass a new --tag (stored runs are kept)"
+        )
+    conditions = _conditions()
     n = ["--nproc-per-node", str(args.nproc)]
     quick = args.quick
     plan = {
@@ -104,11 +135,11 @@ def main() -> None:
     for name, flags in plan.items():
         repeats = args.repeats if name in ("large", "small") else 1
         results[name] = [bench(flags) for _ in range(repeats)]
-        (args.out / f"comm_{name}.json").write_text(
-            json.dumps({"command": flags, "runs": results[name]}, indent=1)
+        (args.out / f"comm_{name}{suffix}.json").write_text(
+            json.dumps({"command": flags, "conditions": conditions, "runs": results[name]}, indent=1)
         )
-    plot(results["sweep"][0], str(args.out / "comm_busbw.png"))
-    plot(results["collectives"][0], str(args.out / "comm_busbw_collectives.png"))
+    plot(results["sweep"][0], str(args.out / f"comm_busbw{suffix}.png"))
+    plot(results["collectives"][0], str(args.out / f"comm_busbw_collectives{suffix}.png"))
 
     sweep = results["sweep"][0]
     m = sweep["model"]
