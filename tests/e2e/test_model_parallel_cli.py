@@ -154,24 +154,12 @@ def test_fsdp_tp_example_runs_under_plain_torchrun(tmp_path: Path) -> None:
     assert "on 4 rank(s) as dp 2 x tp 2" in out
 
 
-@pytest.mark.timeout(480)
-def test_fsdp_tp_and_zero2_runs_print_no_torch_warning_noise(tmp_path: Path) -> None:
-    """fsdp+tp's summary gathers (_StridedShard, Shard) parameters, which DTensor logs as '2 sequential
-    all_gather operations' on every rank; zero2's freed gradients made MemTracker warn on every rank.
-
-    The fsdp+tp run is also held to ``single`` through the CLI (the short default-tier form of
-    :func:`test_fsdp_tp_on_4_ranks_matches_single`)."""
-    short = [*SMALL[:-6], "--steps", "2", "--batch-size", "4", "--json"]
-    fsdp_tp = run_cli("train", *short, "--strategy", "fsdp+tp", "--nproc-per-node", "2", "--run-dir", "a",
-                      cwd=tmp_path, timeout=200)  # fmt: skip
-    assert "sequential all_gather" not in fsdp_tp.stderr, fsdp_tp.stderr[-2000:]
-    single = last_json(run_cli("train", *short, "--strategy", "single", "--nproc-per-node", "1", "--run-dir", "s",
-                               cwd=tmp_path, timeout=200).stdout)  # fmt: skip
-    s = last_json(fsdp_tp.stdout)
-    assert s["world_size"] == 2 and len(s["losses"]) == 2
-    assert s["losses"] == pytest.approx(single["losses"], rel=1e-4)
-    assert s["param_norm"] == pytest.approx(single["param_norm"], rel=1e-4)
+@pytest.mark.timeout(240)
+def test_zero2_run_prints_no_torch_warning_noise(tmp_path: Path) -> None:
+    """zero2's freed gradients made MemTracker warn on every rank. (fsdp+tp's warning, DTensor's '2 sequential
+    all_gather operations' when the summary gathers (_StridedShard, Shard) parameters, is checked on the
+    fsdp+tp run of tests/e2e/test_user_code.py, which holds that run to ``single`` through the CLI.)"""
     zero2 = run_cli("train", "--model", "cnn", "--strategy", "zero2", "--nproc-per-node", "2", "--steps", "2",
                     "--run-dir", "b", cwd=tmp_path, timeout=200)  # fmt: skip
     assert "traceable wrapper-subclass" not in zero2.stderr, zero2.stderr[-2000:]
-    assert "Warning" not in fsdp_tp.stderr + zero2.stderr, (fsdp_tp.stderr + zero2.stderr)[-3000:]
+    assert "Warning" not in zero2.stderr, zero2.stderr[-3000:]

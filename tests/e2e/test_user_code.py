@@ -88,6 +88,8 @@ def test_user_model_and_data_train_under_fsdp_tp_like_single(tmp_path: Path) -> 
     proc = run_cli(*common, "--strategy", "fsdp+tp", "--tp", "2", "--nproc-per-node", "4", "--run-dir", "f",
                    cwd=tmp_path, timeout=200)  # fmt: skip
     sharded = last_json(proc.stdout)
+    # the summary gathers (_StridedShard, Shard) parameters: no DTensor '2 sequential all_gather' log line
+    assert "sequential all_gather" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
     assert sharded["topology"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
     assert (
         single["num_params"]
