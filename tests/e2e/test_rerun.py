@@ -25,10 +25,18 @@ def test_a_no_op_resume_keeps_the_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_rejected_ckpt_dir_leaves_no_run_directory(tmp_path: Path) -> None:
+def test_a_rejected_ckpt_dir_leaves_no_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From paratrain.cli.main in this process: the same parser, checks and message as the command, without
+    an interpreter and torch start."""
+    from paratrain.cli import main
+
     (tmp_path / "afile").write_text("x")
-    proc = run_cli("train", "--strategy", "single", "--model", "mlp", "--steps", "1", "--run-dir", "r",
-                   "--ckpt-dir", "afile/ckpts", cwd=tmp_path, check=False)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "afile" in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    rc = main(["train", "--strategy", "single", "--model", "mlp", "--steps", "1", "--run-dir", "r",
+               "--ckpt-dir", "afile/ckpts"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "afile" in err
     assert not (tmp_path / "r").exists()
