@@ -71,6 +71,30 @@ def run_cli(
     return proc
 
 
+@pytest.fixture
+def cli_main(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``cli_main(*args, cwd=...)``: ``paratrain ARGS`` from ``paratrain.cli.main`` in the pytest process, for
+    input that is refused before launch: the same parser, checks, messages and exit code as the command,
+    without an interpreter and torch start (a few seconds each on a loaded 2-core machine). Returns a
+    CompletedProcess like :func:`run_cli`'s."""
+
+    def run(*args: str, cwd: Path | str) -> subprocess.CompletedProcess[str]:
+        from paratrain.cli import main
+
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse's refusals
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["paratrain", *args], rc, out.out, out.err)
+
+    return run
+
+
 def last_json(stdout: str) -> dict[str, Any]:
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
     assert lines, "no output"

@@ -3,6 +3,8 @@ and the bad inputs of the data-parallel features, each rejected (or warned about
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,8 +84,13 @@ def test_mnist_and_sync_batchnorm_warning(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_bad_input_fails_before_start(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = run_cli("train", "--steps", "1", *args, cwd=tmp_path, check=False, timeout=60)
+def test_bad_input_fails_before_start(
+    tmp_path: Path, cli_main: Callable[..., subprocess.CompletedProcess[str]], args: list[str], message: str
+) -> None:
+    if args[0] == "--precision":  # as a user runs it, a subprocess; the others from paratrain.cli.main
+        proc = run_cli("train", "--steps", "1", *args, cwd=tmp_path, check=False, timeout=60)
+    else:
+        proc = cli_main("train", "--steps", "1", *args, cwd=tmp_path)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,9 +76,14 @@ def test_fsdp_mnist_example_runs_on_digits(tmp_path: Path) -> None:
         (["--strategy", "hsdp", "--nproc-per-node", "1"], "hsdp needs at least 2 data-parallel ranks"),
     ],
 )
-def test_bad_sharding_input_fails_before_any_worker(tmp_path: Path, argv: list[str], message: str) -> None:
+def test_bad_sharding_input_fails_before_any_worker(
+    tmp_path: Path, cli_main: Callable[..., subprocess.CompletedProcess[str]], argv: list[str], message: str
+) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("train", *argv, "--run-dir", str(run_dir), cwd=tmp_path, check=False, timeout=80)
+    if "--shard-size" in argv:  # as a user runs it, a subprocess; the others from paratrain.cli.main
+        proc = run_cli("train", *argv, "--run-dir", str(run_dir), cwd=tmp_path, check=False, timeout=80)
+    else:
+        proc = cli_main("train", *argv, "--run-dir", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert proc.stderr.count("error:") == 1  # one message, not one traceback per rank
