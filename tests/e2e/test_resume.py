@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +144,10 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mistake", ["ckpt-dir is a step directory", "latest is a directory"])
 def test_checkpoint_directory_mistakes_are_refused_before_launch(
-    tmp_path: Path, mistake: str, tiny_run: Path
+    tmp_path: Path, mistake: str, tiny_run: Path, cli_main: Callable[..., subprocess.CompletedProcess[str]]
 ) -> None:
+    """From paratrain.cli.main in this process (test_dataset_change_on_resume_is_refused_before_launch runs
+    its refusal as a subprocess)."""
     step = _copy(tiny_run, tmp_path) / "checkpoints" / "step_00000004"
     before = sorted(p.name for p in step.rglob("*"))
     if mistake == "ckpt-dir is a step directory":
@@ -151,8 +155,7 @@ def test_checkpoint_directory_mistakes_are_refused_before_launch(
     else:
         (tmp_path / "b" / "checkpoints" / "latest").mkdir(parents=True)
         args, expect = [], "latest is a directory"
-    proc = run_cli("train", *TINY, "--steps", "2", "--run-dir", str(tmp_path / "b"), *args, cwd=tmp_path,
-                   check=False)  # fmt: skip
+    proc = cli_main("train", *TINY, "--steps", "2", "--run-dir", str(tmp_path / "b"), *args, cwd=tmp_path)
     assert proc.returncode == 2 and expect in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "process(es)" not in proc.stderr  # refused before the workers were launched
     assert sorted(p.name for p in step.rglob("*")) == before
