@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,23 +16,9 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.e2e
 
 
-def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int | str | None, str, str]:
-    """``paratrain ARGS`` from paratrain.cli.main in this process (the same parser, checks and messages as the
-    command, without a second interpreter and torch start): exit code, stdout, stderr."""
-    from paratrain.cli import main
-
-    capsys.readouterr()
-    try:
-        rc: int | str | None = main(list(args))
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 @pytest.mark.timeout(300)
 def test_readers_verify_first_and_warn_when_they_fall_back(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, cli_main: Callable[..., subprocess.CompletedProcess[str]]
 ) -> None:
     run = tmp_path / "lm"
     run_cli("train", "--model", "llama-debug", "--data", "python-stdlib", "--set", "data.max_bytes=50000",
@@ -51,10 +39,10 @@ def test_readers_verify_first_and_warn_when_they_fall_back(
     shutil.copytree(ckpts / "step_00000002", edited)
     state = edited / "train_state.json"
     state.write_text(state.read_text().replace('"llama-debug"', '"mlp"'))
-    rc, _, err = _main(capsys, "generate", "--ckpt", str(edited), "--max-new-tokens", "2")
-    assert rc == 2, err
-    assert "is not a usable checkpoint" in err and "train_state.json" in err, err
-    assert "not a language model" not in err and "Traceback" not in err
+    proc = cli_main("generate", "--ckpt", str(edited), "--max-new-tokens", "2", cwd=tmp_path)  # in process
+    assert proc.returncode == 2, proc.stderr
+    assert "is not a usable checkpoint" in proc.stderr and "train_state.json" in proc.stderr, proc.stderr
+    assert "not a language model" not in proc.stderr and "Traceback" not in proc.stderr
     # the newest step damaged (one byte of its data, same size): both readers use step 2, and say so
     data = ckpts / "step_00000004" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
@@ -65,6 +53,6 @@ def test_readers_verify_first_and_warn_when_they_fall_back(
     gen = run_cli("generate", "--ckpt", str(run), "--max-new-tokens", "2", "--json", cwd=tmp_path)
     assert json.loads(gen.stdout.splitlines()[-1])["step"] == 2
     assert warning in gen.stderr and "checksum" in gen.stderr, gen.stderr
-    rc, out, err = _main(capsys, "ckpt", "export", str(run), str(tmp_path / "model.safetensors"), "--json")
-    assert rc == 0 and warning in err, err
-    assert json.loads(out.splitlines()[-1])["tensors"] > 0
+    out = cli_main("ckpt", "export", str(run), str(tmp_path / "model.safetensors"), "--json", cwd=tmp_path)
+    assert out.returncode == 0 and warning in out.stderr, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["tensors"] > 0
