@@ -188,33 +188,40 @@ def test_hung_peer_is_named_within_timeout(dist_run: Any) -> None:
     assert elapsed < 10, elapsed  # 3 s collective timeout + the heartbeat check, never a hang
 
 
-def _unshared_root(tmp: str, mode: str) -> str:
-    """Each rank gives the manager its own directory (``unshared``: as on two nodes without shared
-    storage), or the same one (``shared``)."""
+def _unshared_roots(tmp: str) -> dict[str, str]:
+    """In one process group, each mode in turn: every rank gives the manager its own directory
+    (``unshared``: as on two nodes without shared storage; then ``unchecked``: the same with the check off),
+    or the same one (``shared``)."""
     from paratrain.checkpoint import manager
     from paratrain.runtime import init
 
     manager.SHARED_ROOT_WAIT_S = 0.5
     ctx = init(seed=0)
-    root = Path(tmp) / (f"node{ctx.rank}" if mode != "shared" else "both") / "checkpoints"
-    try:
-        m = manager.CheckpointManager(root, ctx, check_shared=mode != "unchecked")
-    except manager.CheckpointError as e:
-        return f"CheckpointError: {e}"
-    dist.barrier()  # rank 0 has removed its probe
-    probes = [p.name for p in root.glob(".shared-probe-*")] if root.exists() else []
-    m.close()
-    return f"ok {probes}"
+    got = {}
+    for mode, sub in (("unshared", "a"), ("shared", "b"), ("unchecked", "c")):
+        root = Path(tmp) / sub / (f"node{ctx.rank}" if mode != "shared" else "both") / "checkpoints"
+        try:
+            m = manager.CheckpointManager(root, ctx, check_shared=mode != "unchecked")
+        except manager.CheckpointError as e:
+            got[mode] = f"CheckpointError: {e}"
+            dist.barrier()
+            continue
+        dist.barrier()  # rank 0 has removed its probe
+        probes = [p.name for p in root.glob(".shared-probe-*")] if root.exists() else []
+        m.close()
+        got[mode] = f"ok {probes}"
+    return got
 
 
 @pytest.mark.timeout(90)
 def test_a_checkpoint_directory_the_ranks_do_not_share_fails_at_start_naming_them(
     dist_run: Any, tmp_path: Path
 ) -> None:
-    got = dist_run(_unshared_root, 2, str(tmp_path / "a"), "unshared", timeout_s=80)
-    for err in got:  # every rank raises the same error, at construction, before any step
+    ranks = dist_run(_unshared_roots, 2, str(tmp_path), timeout_s=80)
+    for got in ranks:  # every rank raises the same error, at construction, before any step
+        err = got["unshared"]
         assert err.startswith("CheckpointError: the checkpoint directory is not shared"), err
         assert f"rank 1 on {os.uname().nodename} ({tmp_path / 'a' / 'node1' / 'checkpoints'})" in err, err
         assert "rank 0 on" in err and str(tmp_path / "a" / "node0" / "checkpoints") in err
-    assert dist_run(_unshared_root, 2, str(tmp_path / "b"), "shared", timeout_s=80) == ["ok []"] * 2
-    assert dist_run(_unshared_root, 2, str(tmp_path / "c"), "unchecked", timeout_s=80) == ["ok []"] * 2
+    assert [got["shared"] for got in ranks] == ["ok []"] * 2
+    assert [got["unchecked"] for got in ranks] == ["ok []"] * 2
