@@ -197,7 +197,7 @@ def _unshared_roots(tmp: str) -> dict[str, str]:
 
     manager.SHARED_ROOT_WAIT_S = 0.5
     ctx = init(seed=0)
-    got = {}
+    got: dict[str, str] = {}
     for mode, sub in (("unshared", "a"), ("shared", "b"), ("unchecked", "c")):
         root = Path(tmp) / sub / (f"node{ctx.rank}" if mode != "shared" else "both") / "checkpoints"
         try:
