@@ -848,3 +848,21 @@ def test_reduce_fp32_and_a_later_micro_batch_recomputing() -> None:
     rs16, rs32 = (sum(v for k, v in p["comm_bytes_per_rank_per_step"].items() if "reduce_scatter" in k)
                   for p in (bf16, fp32))  # fmt: skip
     assert rs32 == pytest.approx(2 * rs16, rel=1e-6) and rs16 > 0
+
+
+def test_pipeline_last_stage_keeps_every_micro_batch_output() -> None:
+    """torch's PipelineStage appends each micro-batch's logits to ``output_chunks`` on the last stage and keeps
+    them to the end of the step: at a later micro-batch's backward all m of them are live (interleaved 405B:
+    the last rank's peak)."""
+    argv = ("--model", "llama3-405b", "--strategy", "fsdp+tp+pp", "--tp", "8", "--pp", "8", "--dp-shard", "8",
+            "--gpus", "512", "--batch-size", "256", "--seq-len", "8192", "--activation-checkpointing", "full",
+            "--loss-parallel", "--precision", "bf16", "--reduce-fp32", "--fp8-all-gather", "--gpu-mem", "96GB",
+            "--pp-schedule", "interleaved-1f1b", "--microbatches", "16")  # fmt: skip
+    p = run_json(*argv)["plans"][0]
+    assert p["stage"] == 7 and p["peak_moment"]["phase"] == "a later micro-batch's backward starts"
+    logits = 8192 * 2 * 128256 * 2 / 8  # micro-batch of 2 sequences, bf16, vocabulary-parallel
+    inp = 8192 * 2 * 16384 * 2 / 8  # the residual stream (sequence-parallel), stage 7's in-flight output
+    outputs = p["peak_moment"]["terms"]["pipeline stage outputs"]
+    assert outputs == pytest.approx(
+        16 * logits + inp * 4.5
+    )  # (v-1)p + 1 = 9 chunks in flight: 4.5 stage units

@@ -135,6 +135,13 @@ class StepShape:
     schedule starts and keeps (activations from the previous stage, gradients from the next)."""
     later_released: float = 0.0
     """One micro-batch's share of ``released_before_recompute`` (a later micro-batch's recomputation)."""
+    stage_outputs: float = 0.0
+    """Pipeline stages: the stage outputs torch's ``PipelineStage`` holds when backward starts (the in-flight
+    micro-batches' outputs; on the last stage the logits, which ``output_chunks`` keeps)."""
+    later_stage_outputs: float = 0.0
+    """The same at a later micro-batch's backward: the last stage then holds every micro-batch's logits."""
+    kept_stage_outputs: float = 0.0
+    """The last stage's ``output_chunks`` after the last backward, through the optimizer step."""
     later_activations: float = 0.0
     """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
@@ -204,6 +211,8 @@ def moments(s: StepShape) -> list[Peak]:
         start["ddp buckets"] = buckets
     if s.cast_copies:
         start["autocast weight copies"] = s.cast_copies
+    if s.stage_outputs:
+        start["pipeline stage outputs"] = s.stage_outputs
     out = [Peak("backward starts", start)]
     if s.recompute_working:
         redo = {**base, "activations": s.activations - s.released_before_recompute,
@@ -212,9 +221,13 @@ def moments(s: StepShape) -> list[Peak]:
             redo["ddp buckets"] = buckets
         if s.cast_copies:
             redo["autocast weight copies"] = s.cast_copies
+        if s.stage_outputs:
+            redo["pipeline stage outputs"] = s.stage_outputs
         out.append(Peak("a checkpointed layer recomputes", redo))
     if s.accumulated_grads:
         later = {**start, "activations": s.later_activations, "accumulated grads": s.accumulated_grads}
+        if s.later_stage_outputs:
+            later["pipeline stage outputs"] = s.later_stage_outputs
         if s.later_unsharded_params:
             later["unsharded params (pipeline FSDP stage)"] = s.later_unsharded_params
         out.append(Peak("a later micro-batch's backward starts", later))
@@ -247,6 +260,8 @@ def moments(s: StepShape) -> list[Peak]:
     }
     if buckets:
         update["ddp buckets"] = buckets
+    if s.kept_stage_outputs:
+        update["pipeline stage outputs"] = s.kept_stage_outputs
     if sharded_opt and s.sharding == "optimizer":
         update["reduced shard"] = s.psi * g / n  # ZeRO-1: the full gradients stay, the reduced rows are extra
     out.append(Peak("optimizer update", update))

@@ -154,6 +154,33 @@ def _pipeline_buffers(st: Stage, layout: Layout, w: Workload, batch: Batch, inp:
     return inp * (not_first * max(0.0, batch.micro - in_flight) + not_last * batch.micro)
 
 
+def _stage_outputs(
+    spec: ModelSpec, st: Stage, layout: Layout, w: Workload, batch: Batch, d: mem.Dtypes, inp: float
+) -> tuple[float, float, float]:
+    """Bytes of the stage outputs torch's ``PipelineStage`` holds: ``(when backward starts, at a later
+    micro-batch's backward, after the last backward)``.
+
+    Every local stage keeps the output of each in-flight micro-batch in its ``fwd_cache`` until that micro-batch's
+    backward (the residual stream for a stage that is not the last; under full checkpointing no layer of the stage
+    saves its own last output). The last stage also appends every micro-batch's output, the logits, to
+    ``output_chunks`` to merge them for ``step()``'s return value: they stay until the next step's
+    ``clear_runtime_states``, through the optimizer step (``schedules.py``: ``return_outputs=True``, which
+    paratrain's pipeline and torchtitan keep; the loss's log-softmax is a separate fp32 tensor)."""
+    if layout.pp == 1 or spec.shape is None:
+        return 0.0, 0.0, 0.0
+    p, m = layout.pp, batch.micro
+    v = act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1
+    holds_last = st.index == p - 1
+    not_last = v - (1 if holds_last else 0)
+    k = act.in_flight(w.pp_schedule, m, p, st.index)
+    later_k = k - 1 if k >= m else k  # a pipeline that ran every forward first holds one fewer by then
+    lp = w.loss_parallel and layout.tp > 1
+    logits = batch.seq_len * batch.size * spec.shape.vocab_size * d.activation / (layout.tp if lp else 1)
+    first_logits = (m if w.pp_schedule == "gpipe" else 1) * logits if holds_last else 0.0
+    kept = m * logits if holds_last else 0.0
+    return k * not_last * inp + first_logits, later_k * not_last * inp + kept, kept
+
+
 def _accumulation(
     psi: float,
     grad_bytes: float,
@@ -271,10 +298,12 @@ def stage_peak(
     largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
     psi = st.psi
     unit_bytes, gathered = _gathered_bytes(spec, st, t, w, d)
-    buffers = 0.0
+    buffers, outputs = 0.0, (0.0, 0.0, 0.0)
     if spec.shape is not None:
         inp = batch.seq_len * batch.size * spec.shape.dim * d.activation
-        buffers = _pipeline_buffers(st, layout, w, batch, inp / (t if w.sequence_parallel and t > 1 else 1))
+        inp /= t if w.sequence_parallel and t > 1 else 1
+        buffers = _pipeline_buffers(st, layout, w, batch, inp)
+        outputs = _stage_outputs(spec, st, layout, w, batch, d, inp)
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
     moment = pk.peak(pk.StepShape(
@@ -285,7 +314,8 @@ def stage_peak(
         cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
         accumulated_grads=acc[0], later_activations=acc[1],
         later_unsharded_params=psi * gathered if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
-        unit_param_bytes=unit_bytes, pipeline_buffers=buffers,
+        unit_param_bytes=unit_bytes, pipeline_buffers=buffers, stage_outputs=outputs[0],
+        later_stage_outputs=outputs[1], kept_stage_outputs=outputs[2],
         **shape_kw,
     ))  # fmt: skip
     return moment, activations, reference
