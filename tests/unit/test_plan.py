@@ -866,3 +866,33 @@ def test_pipeline_last_stage_keeps_every_micro_batch_output() -> None:
     assert outputs == pytest.approx(
         16 * logits + inp * 4.5
     )  # (v-1)p + 1 = 9 chunks in flight: 4.5 stage units
+
+
+def test_fp8_linears_and_compile_are_time_choices() -> None:
+    """``--fp8`` runs the layers' linear matmuls at the fp8 peak and the rest (attention's core, the output
+    layer) at the 16-bit one; ``--compile`` and ``--fp8`` pick their own calibrated efficiency; memory is the
+    16-bit eager plan's; a GPU without fp8 tensor cores is refused."""
+    from paratrain.plan.cli import model_spec
+    from paratrain.plan.time import recompute_fraction, stage_flops_per_sample, stage_linear_flops_per_sample
+
+    base = ("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "16", "--seq-len", "8192",
+            "--activation-checkpointing", "selective", "--precision", "bf16")  # fmt: skip
+    eager, compiled = run_json(*base), run_json(*base, "--compile")
+    fp8 = run_json(*base, "--compile", "--fp8")
+    assert eager["cluster"]["efficiency"] == cl.EFFICIENCY[("H100", "16-bit")]
+    assert compiled["cluster"]["efficiency"] == cl.EFFICIENCY[("H100", "16-bit compiled")]
+    assert fp8["cluster"]["efficiency"] == cl.EFFICIENCY[("H100", "fp8 compiled")]
+    for r in (compiled, fp8):
+        assert r["plans"][0]["bytes_per_rank"] == eager["plans"][0]["bytes_per_rank"]
+    same = ("--efficiency", "0.5")
+    t16 = run_json(*base, *same)["plans"][0]["time_s"]["compute"]
+    t8 = run_json(*base, *same, "--fp8")["plans"][0]["time_s"]["compute"]
+    spec = model_spec(cli(*base))
+    redo = recompute_fraction(spec, "selective")
+    share = stage_linear_flops_per_sample(spec, 8192, 32, redo) / stage_flops_per_sample(
+        spec, 8192, 32, True, redo
+    )
+    assert 0.5 < share < 0.9  # attention's core and the output layer stay 16-bit
+    assert (t16 - t8) / t16 == pytest.approx(share * (1 - 989e12 / 1979e12), rel=1e-6)
+    with pytest.raises(ConfigError, match="no fp8 tensor cores"):
+        run_json(*base, "--fp8", "--cluster", "a100-nvlink-ib")

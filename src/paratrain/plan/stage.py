@@ -16,7 +16,13 @@ from paratrain.plan import peak as pk
 from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec, ParamGroup
-from paratrain.plan.time import recompute_fraction, stage_flops_per_sample, step_time, tp_rerun
+from paratrain.plan.time import (
+    recompute_fraction,
+    stage_flops_per_sample,
+    stage_linear_flops_per_sample,
+    step_time,
+    tp_rerun,
+)
 from paratrain.spec.hardware import Cluster
 
 DEFAULT_BATCH = 64
@@ -51,6 +57,14 @@ class Workload:
     ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8]`` setting): the unsharded weights (and the
     all-gather messages) are 1 byte per element instead of the compute dtype's 2; the embedding and output
     layer stay 16-bit. Time still uses the 16-bit peak (fp8 matmuls are not modelled)."""
+    fp8: bool = False
+    """Float8 linears (torchao's ``Float8Linear``, torchtitan's ``[float8]``): the layers' linear matmuls run at
+    the GPU's fp8 peak (:attr:`Cluster.fp8_flops`), attention's core and the output layer (which torchtitan
+    leaves out) at the 16-bit one; the efficiency is the calibrated one of this compute
+    (:func:`paratrain.spec.hardware.compute_key`). Memory is planned as the 16-bit run's."""
+    compile: bool = False
+    """``torch.compile`` (train's ``--compile``): time at the compiled efficiency of the GPU family; memory is
+    planned as eager (fused kernels keep fewer activations)."""
     reduce_fp32: bool = False
     """FSDP under 16-bit compute: reduce-scatter the gradients, and accumulate them unsharded between
     micro-batches, in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``, torchtitan's
@@ -347,8 +361,12 @@ def stage_time(
     redo = recompute_fraction(spec, mode, every)
     samples = batch.global_batch / layout.dp
     flops = stage_flops_per_sample(spec, batch.seq_len, layers, st.last, redo) * samples / t
-    rate = cluster.gpu_flops * cluster.efficiency
-    time_ = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
+    seconds = flops / (cluster.gpu_flops * cluster.efficiency)
+    if w.fp8:  # the layers' linear matmuls at the fp8 peak, the rest at the 16-bit one
+        linear = stage_linear_flops_per_sample(spec, batch.seq_len, layers, redo) * samples / t
+        seconds -= linear / (cluster.gpu_flops * cluster.efficiency)
+        seconds += linear / (cluster.fp8_flops * cluster.efficiency)
+    time_ = step_time(seconds, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
                       micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
     comm: dict[str, int] = {}
     for op in ops:
