@@ -11,6 +11,9 @@ Rows (each with its source and conditions in ``ROWS``):
   (1F1B and interleaved 1F1B; Table 6's 1F1B row without context parallelism, seq 32768 at local batch 8: the
   same tokens per micro-batch), full AC (memory only: those rows run torch.compile + Float8, which the planner
   does not model in time);
+- IBM's fms-fsdp (README's throughput table, https://github.com/foundation-model-stack/fms-fsdp): Llama 2 7B and
+  13B under HSDP (16 replicas of 8-GPU shards), 70B under FSDP with activation checkpointing of every block, on
+  128 A100s, seq 4096, bf16 eager (time only);
 - Megatron-LM's GPT-3 175B (Narayanan et al. 2021, https://arxiv.org/abs/2104.04473, Table 1): TP 8 x PP 16 x
   DP 12 on 1,536 A100s, batch 1,536, 163 TFLOP/s per GPU counted with recomputation (time only).
 
@@ -38,6 +41,10 @@ from paratrain.errors import ConfigError
 from paratrain.plan import cli as plan_cli
 
 GIB = 2**30
+FMS = (
+    "IBM fms-fsdp README (foundation-model-stack/fms-fsdp at 0d31998), training throughput table: Llama 2 "
+    "on 128 A100s; docs/configurations.md: HSDP shards within a node of 8, selective_checkpointing 1 = every block"
+)
 TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB HBM2e, 500 W)"
 TT_8B = ["--model", "llama3-8b", "--strategy", "fsdp", "--seq-len", "8192", "--activation-checkpointing",
          "selective", "--precision", "bf16", "--reduce-fp32", "--gpu-mem", "96GB"]  # fmt: skip
@@ -112,6 +119,26 @@ ROWS: list[dict[str, Any]] = [
      "memory": ("peak_reserved", 75.3 * GIB), "tokens_per_s_per_gpu": 76, "family": "H100 fp8 compiled",
      "conditions": "Table 5's 1F1B layout at the same tokens per micro-batch (local batch 8: 8 micro-batches of one "
                    "32,768-token sequence, context parallelism off); torch.compile + Float8 + AsyncTP"},
+    *[
+        {"name": f"fms-fsdp: Llama 2 {size}, {label}, 128 A100s", "source": FMS,
+         "argv": ["--model", f"llama2-{size.lower()}", "--cluster", "a100-nvlink-ib", "--gpus", "128", *layout,
+                  "--batch-size", str(128 * local), "--seq-len", "4096", "--activation-checkpointing", ac,
+                  "--precision", "bf16"],
+         "tokens_per_s_per_gpu": tps, "family": "A100 16-bit",
+         "conditions": f"{label}, local batch {local}, seq 4096, AC {ac}, bf16 (FSDP1 bf16 mixed precision: "
+                       "bf16 reduce), SDPA, eager; the network of IBM's cluster is not stated (planned on the "
+                       "a100-nvlink-ib preset's 200 Gb/s per GPU)", **({"miss": miss} if miss else {})}
+        for size, label, layout, local, ac, tps, miss in (
+            ("7B", "HSDP 16 x 8", ["--strategy", "hsdp", "--dp-replicate", "16", "--dp-shard", "8"], 2, "none", 3760,
+             ""),
+            ("13B", "HSDP 16 x 8", ["--strategy", "hsdp", "--dp-replicate", "16", "--dp-shard", "8"], 1, "none", 1700,
+             "tokens/s 1.27 at the A100 default: one 4,096-token sequence per GPU and step against the replicas' "
+             "all-reduce of 13B gradients; on the preset's 200 Gb/s per GPU nothing is exposed, on two 100 GbE per "
+             "8-GPU node (3.1 GB/s per GPU) 0.85 s per step would be; the published table does not state the "
+             "network"),
+            ("70B", "FSDP 128", ["--strategy", "fsdp"], 6, "full", 380, ""),
+        )
+    ],
     {"name": "Megatron-LM: GPT-3 175B, TP 8 x PP 16 x DP 12, 1,536 A100s", "source": "Narayanan et al. 2021, Table 1",
      "argv": ["--model", "gpt3-175b", "--cluster", "a100-nvlink-ib", "--dp-replicate", "12", "--tp", "8", "--pp", "16",
               "--gpus", "1536", "--batch-size", "1536", "--microbatches", "128", "--seq-len", "2048",
@@ -125,7 +152,7 @@ NOT_EXPRESSIBLE = [
     ("torchtitan Table 4's 2D + AsyncTP row (876 tokens/s, 67.6 GiB)", "AsyncTP's overlap of the TP collectives "
      "with the matmuls is not modelled (the TP collectives are exposed); Table 5-6's 405B rows run it too and "
      "are compared as they are"),
-    ("Megatron-LM GPT-3 memory", "not published"),
+    ("Megatron-LM GPT-3 and fms-fsdp memory", "not published"),
 ]  # fmt: skip
 
 
