@@ -896,3 +896,20 @@ def test_fp8_linears_and_compile_are_time_choices() -> None:
     assert (t16 - t8) / t16 == pytest.approx(share * (1 - 989e12 / 1979e12), rel=1e-6)
     with pytest.raises(ConfigError, match="no fp8 tensor cores"):
         run_json(*base, "--fp8", "--cluster", "a100-nvlink-ib")
+
+
+def test_zero2_packing_holds_the_units_ahead_and_the_flowing_gradients() -> None:
+    """The 26K MLP under zero2 on 2 Gloo ranks fits one bucket: its peak is unit 1's 128x128 gradient packed
+    into the send buffer while backward still holds the activations of units 0 and 1 and the gradients arriving
+    at and leaving unit 1 (MemTracker, bench_plan: 465,040 B; 379,000 planned without them)."""
+    from paratrain.plan import peak as pk
+
+    units, root, n, psi = (8320.0, 16512.0), 1290.0, 2, 26122.0
+    s = _step(states=mem.model_states(psi, n, "grads", mem.dtypes("fp32")), psi=psi, sharding="grads", n=n, dp=n,
+              units=units, root=root, unit_activations=(24576.0, 32768.0), unit_input_grad=16384.0,
+              largest_tensor=128 * 128 / n, activations=75328.0)  # fmt: skip
+    m = pk.peak(s)
+    assert m.phase == "zero2 packs a gradient during backward (unit 1)"
+    assert m.terms["gradient being packed"] == 128 * 128 * 4
+    assert m.terms["activations"] == 24576 + 32768 and m.terms["output and input gradients"] == 2 * 16384
+    assert m.total == pytest.approx(465040, rel=0.02)
