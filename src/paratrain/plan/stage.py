@@ -314,8 +314,8 @@ def stage_peak(
     unit_bytes, gathered = _gathered_bytes(spec, st, t, w, d)
     buffers, outputs = 0.0, (0.0, 0.0, 0.0)
     if spec.shape is not None:
-        inp = batch.seq_len * batch.size * spec.shape.dim * d.activation
-        inp /= t if w.sequence_parallel and t > 1 else 1
+        sp_split = t if w.sequence_parallel and t > 1 else 1
+        inp = batch.seq_len * batch.size * spec.shape.dim * d.activation / sp_split
         buffers = _pipeline_buffers(st, layout, w, batch, inp)
         outputs = _stage_outputs(spec, st, layout, w, batch, d, inp)
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
