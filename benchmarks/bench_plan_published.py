@@ -7,10 +7,10 @@ Rows (each with its source and conditions in ``ROWS``):
   GPU of a 7.5B model under DDP, P_os, P_os+g, P_os+g+p at 64 GPUs, mixed-precision Adam (2 + 2 + 12 bytes);
 - torchtitan's Llama 3.1 benchmarks on H100 (``benchmarks/llama3_h100_202412_torchtitan.md`` in
   pytorch/torchtitan, Dec 2024; 96 GB HBM2e H100s at 500 W): 8B FSDP on 8 and 128 GPUs (selective op AC, local
-  batch 2, seq 8192, eager bf16: memory and tokens/s/GPU), 70B FSDP 32 x TP 8 and 405B FSDP 8 x TP 8 x PP 8
-  (1F1B and interleaved 1F1B; Table 6's 1F1B row without context parallelism, seq 32768 at local batch 8: the
-  same tokens per micro-batch), full AC (memory only: those rows run torch.compile + Float8, which the planner
-  does not model in time);
+  batch 2, seq 8192; eager bf16, with torch.compile, and with compile + Float8: ``--compile``, ``--fp8``), 70B
+  FSDP 32 x TP 8 and 405B FSDP 8 x TP 8 x PP 8 (1F1B and interleaved 1F1B; Table 6's 1F1B row without context
+  parallelism, seq 32768 at local batch 8: the same tokens per micro-batch), full AC, compile + Float8; memory
+  and tokens/s/GPU on every row;
 - IBM's fms-fsdp (README's throughput table, https://github.com/foundation-model-stack/fms-fsdp): Llama 2 7B and
   13B under HSDP (16 replicas of 8-GPU shards), 70B under FSDP with activation checkpointing of every block, on
   128 A100s, seq 4096, bf16 eager (time only);
@@ -19,8 +19,10 @@ Rows (each with its source and conditions in ``ROWS``):
 
 Memory is compared as the peer reports it: torchtitan's "Memory (GiB)" is the caching allocator's reserved peak
 (the plan's ``peak_reserved``), the ZeRO table counts model states (``model_state_bytes_per_rank``). Throughput
-is tokens/s per GPU at the calibrated efficiency (:data:`paratrain.spec.hardware.EFFICIENCY`); each row's
-*implied* efficiency (the one that reproduces its published throughput) is stored too.
+is tokens/s per GPU at the calibrated efficiency of the row's GPU and compute
+(:data:`paratrain.spec.hardware.EFFICIENCY`); each row's *implied* efficiency (the one that reproduces its
+published throughput) is stored too, and ``held_out`` predicts each row from the others. A row outside the
+targets (memory ±15%, tokens/s ±20%) says why in ``miss``.
 
     python benchmarks/bench_plan_published.py [--json benchmarks/results/plan_published.json]
 

@@ -764,8 +764,9 @@ def test_selective_checkpointing_lies_between_none_and_full_in_the_plan() -> Non
 
 
 def test_published_rows_the_planner_expresses() -> None:
-    """benchmarks/bench_plan_published.py: the ZeRO table exactly, torchtitan's 8B FSDP rows within the issue's
-    targets (memory ±15% of the reserved peak, throughput ±20% at the calibrated H100 efficiency)."""
+    """benchmarks/bench_plan_published.py: the ZeRO table exactly, every other row within the issue's targets
+    (memory ±15% of the reserved peak, throughput ±20% at the calibrated efficiency of its GPU and compute)
+    unless it states why it misses, and a stated miss is one."""
     import importlib.util
 
     path = Path(__file__).parents[2] / "benchmarks" / "bench_plan_published.py"
@@ -773,21 +774,25 @@ def test_published_rows_the_planner_expresses() -> None:
     assert module_spec is not None and module_spec.loader is not None
     bench = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench)
+    misses = 0
     for row in bench.ROWS:
-        if not (row["name"].startswith("ZeRO") or "8B, FSDP" in row["name"]):
-            continue
         p = bench._plan(row["argv"])
-        key, published = row["memory"]
-        got = (
-            p["model_state_bytes_per_rank"]
-            if key == "model_state_bytes_per_rank"
-            else p["bytes_per_rank"][key]
-        )
-        assert got == pytest.approx(published, rel=0.15 if key == "peak_reserved" else 0.01), row["name"]
+        within = True
+        if "memory" in row:
+            key, published = row["memory"]
+            got = (
+                p["model_state_bytes_per_rank"]
+                if key == "model_state_bytes_per_rank"
+                else p["bytes_per_rank"][key]
+            )
+            within &= got == pytest.approx(published, rel=0.15 if key == "peak_reserved" else 0.01)
         if "tokens_per_s_per_gpu" in row:
-            assert bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20), row[
-                "name"
-            ]
+            within &= bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20)
+        elif "step_s" in row:
+            within &= p["step_time_s"] == pytest.approx(row["step_s"], rel=0.20)
+        assert within != ("miss" in row), row["name"]
+        misses += "miss" in row
+    assert misses == 2  # torchtitan's 405B 1F1B memory, fms-fsdp's 13B throughput
 
 
 def test_a_plan_that_does_not_fit_names_the_peer_default_that_would() -> None:
