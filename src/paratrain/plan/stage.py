@@ -56,7 +56,7 @@ class Workload:
     """FSDP all-gathers the layers' linear weights in float8 (torchao's ``Float8Linear`` with
     ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8]`` setting): the unsharded weights (and the
     all-gather messages) are 1 byte per element instead of the compute dtype's 2; the embedding and output
-    layer stay 16-bit. Time still uses the 16-bit peak (fp8 matmuls are not modelled)."""
+    layer stay 16-bit. The matmuls' peak is :attr:`fp8`'s choice, not this one's."""
     fp8: bool = False
     """Float8 linears (torchao's ``Float8Linear``, torchtitan's ``[float8]``): the layers' linear matmuls run at
     the GPU's fp8 peak (:attr:`Cluster.fp8_flops`), attention's core and the output layer (which torchtitan
