@@ -764,8 +764,9 @@ def test_selective_checkpointing_lies_between_none_and_full_in_the_plan() -> Non
 
 
 def test_published_rows_the_planner_expresses() -> None:
-    """benchmarks/bench_plan_published.py: the ZeRO table exactly, torchtitan's 8B FSDP rows within the issue's
-    targets (memory ±15% of the reserved peak, throughput ±20% at the calibrated H100 efficiency)."""
+    """benchmarks/bench_plan_published.py: the ZeRO table exactly, every other row within the issue's targets
+    (memory ±15% of the reserved peak, throughput ±20% at the calibrated efficiency of its GPU and compute)
+    unless it states why it misses, and a stated miss is one."""
     import importlib.util
 
     path = Path(__file__).parents[2] / "benchmarks" / "bench_plan_published.py"
@@ -773,21 +774,25 @@ def test_published_rows_the_planner_expresses() -> None:
     assert module_spec is not None and module_spec.loader is not None
     bench = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench)
+    misses = 0
     for row in bench.ROWS:
-        if not (row["name"].startswith("ZeRO") or "8B, FSDP" in row["name"]):
-            continue
         p = bench._plan(row["argv"])
-        key, published = row["memory"]
-        got = (
-            p["model_state_bytes_per_rank"]
-            if key == "model_state_bytes_per_rank"
-            else p["bytes_per_rank"][key]
-        )
-        assert got == pytest.approx(published, rel=0.15 if key == "peak_reserved" else 0.01), row["name"]
+        within = True
+        if "memory" in row:
+            key, published = row["memory"]
+            got = (
+                p["model_state_bytes_per_rank"]
+                if key == "model_state_bytes_per_rank"
+                else p["bytes_per_rank"][key]
+            )
+            within &= got == pytest.approx(published, rel=0.15 if key == "peak_reserved" else 0.01)
         if "tokens_per_s_per_gpu" in row:
-            assert bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20), row[
-                "name"
-            ]
+            within &= bench._tokens_per_gpu(p) == pytest.approx(row["tokens_per_s_per_gpu"], rel=0.20)
+        elif "step_s" in row:
+            within &= p["step_time_s"] == pytest.approx(row["step_s"], rel=0.20)
+        assert within != ("miss" in row), row["name"]
+        misses += "miss" in row
+    assert misses == 2  # torchtitan's 405B 1F1B memory, fms-fsdp's 13B throughput
 
 
 def test_a_plan_that_does_not_fit_names_the_peer_default_that_would() -> None:
@@ -848,3 +853,68 @@ def test_reduce_fp32_and_a_later_micro_batch_recomputing() -> None:
     rs16, rs32 = (sum(v for k, v in p["comm_bytes_per_rank_per_step"].items() if "reduce_scatter" in k)
                   for p in (bf16, fp32))  # fmt: skip
     assert rs32 == pytest.approx(2 * rs16, rel=1e-6) and rs16 > 0
+
+
+def test_pipeline_last_stage_keeps_every_micro_batch_output() -> None:
+    """torch's PipelineStage appends each micro-batch's logits to ``output_chunks`` on the last stage and keeps
+    them to the end of the step: at a later micro-batch's backward all m of them are live (interleaved 405B:
+    the last rank's peak)."""
+    argv = ("--model", "llama3-405b", "--strategy", "fsdp+tp+pp", "--tp", "8", "--pp", "8", "--dp-shard", "8",
+            "--gpus", "512", "--batch-size", "256", "--seq-len", "8192", "--activation-checkpointing", "full",
+            "--loss-parallel", "--precision", "bf16", "--reduce-fp32", "--fp8-all-gather", "--gpu-mem", "96GB",
+            "--pp-schedule", "interleaved-1f1b", "--microbatches", "16")  # fmt: skip
+    p = run_json(*argv)["plans"][0]
+    assert p["stage"] == 7 and p["peak_moment"]["phase"] == "a later micro-batch's backward starts"
+    logits = 8192 * 2 * 128256 * 2 / 8  # micro-batch of 2 sequences, bf16, vocabulary-parallel
+    inp = 8192 * 2 * 16384 * 2 / 8  # the residual stream (sequence-parallel), stage 7's in-flight output
+    outputs = p["peak_moment"]["terms"]["pipeline stage outputs"]
+    assert outputs == pytest.approx(
+        16 * logits + inp * 4.5
+    )  # (v-1)p + 1 = 9 chunks in flight: 4.5 stage units
+
+
+def test_fp8_linears_and_compile_are_time_choices() -> None:
+    """``--fp8`` runs the layers' linear matmuls at the fp8 peak and the rest (attention's core, the output
+    layer) at the 16-bit one; ``--compile`` and ``--fp8`` pick their own calibrated efficiency; memory is the
+    16-bit eager plan's; a GPU without fp8 tensor cores is refused."""
+    from paratrain.plan.cli import model_spec
+    from paratrain.plan.time import recompute_fraction, stage_flops_per_sample, stage_linear_flops_per_sample
+
+    base = ("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "16", "--seq-len", "8192",
+            "--activation-checkpointing", "selective", "--precision", "bf16")  # fmt: skip
+    eager, compiled = run_json(*base), run_json(*base, "--compile")
+    fp8 = run_json(*base, "--compile", "--fp8")
+    assert eager["cluster"]["efficiency"] == cl.EFFICIENCY[("H100", "16-bit")]
+    assert compiled["cluster"]["efficiency"] == cl.EFFICIENCY[("H100", "16-bit compiled")]
+    assert fp8["cluster"]["efficiency"] == cl.EFFICIENCY[("H100", "fp8 compiled")]
+    for r in (compiled, fp8):
+        assert r["plans"][0]["bytes_per_rank"] == eager["plans"][0]["bytes_per_rank"]
+    same = ("--efficiency", "0.5")
+    t16 = run_json(*base, *same)["plans"][0]["time_s"]["compute"]
+    t8 = run_json(*base, *same, "--fp8")["plans"][0]["time_s"]["compute"]
+    spec = model_spec(cli(*base))
+    redo = recompute_fraction(spec, "selective")
+    share = stage_linear_flops_per_sample(spec, 8192, 32, redo) / stage_flops_per_sample(
+        spec, 8192, 32, True, redo
+    )
+    assert 0.5 < share < 0.9  # attention's core and the output layer stay 16-bit
+    assert (t16 - t8) / t16 == pytest.approx(share * (1 - 989e12 / 1979e12), rel=1e-6)
+    with pytest.raises(ConfigError, match="no fp8 tensor cores"):
+        run_json(*base, "--fp8", "--cluster", "a100-nvlink-ib")
+
+
+def test_zero2_packing_holds_the_units_ahead_and_the_flowing_gradients() -> None:
+    """The 26K MLP under zero2 on 2 Gloo ranks fits one bucket: its peak is unit 1's 128x128 gradient packed
+    into the send buffer while backward still holds the activations of units 0 and 1 and the gradients arriving
+    at and leaving unit 1 (MemTracker, bench_plan: 465,040 B; 379,000 planned without them)."""
+    from paratrain.plan import peak as pk
+
+    units, root, n, psi = (8320.0, 16512.0), 1290.0, 2, 26122.0
+    s = _step(states=mem.model_states(psi, n, "grads", mem.dtypes("fp32")), psi=psi, sharding="grads", n=n, dp=n,
+              units=units, root=root, unit_activations=(24576.0, 32768.0), unit_input_grad=16384.0,
+              largest_tensor=128 * 128 / n, activations=75328.0)  # fmt: skip
+    m = pk.peak(s)
+    assert m.phase == "zero2 packs a gradient during backward (unit 1)"
+    assert m.terms["gradient being packed"] == 128 * 128 * 4
+    assert m.terms["activations"] == 24576 + 32768 and m.terms["output and input gradients"] == 2 * 16384
+    assert m.total == pytest.approx(465040, rel=0.02)

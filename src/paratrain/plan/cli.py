@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="FSDP gathers the layers' linear weights in float8 (torchao Float8Linear with "
         "enable_fsdp_float8_all_gather, as torchtitan's Float8 runs): 1-byte unsharded weights",
     )
+    m.add_argument("--fp8", action="store_true",
+                   help="Float8 linears (torchao Float8Linear, torchtitan's [float8]): the layers' matmuls at the "
+                   "GPU's fp8 peak, attention and the output layer at 16-bit; time only")  # fmt: skip
     m.add_argument("--moe-overload", type=float, default=1.0,
                    help="MoE: routed rows on the busiest rank over the mean (activations; default 1)")  # fmt: skip
     c = p.add_argument_group("planner: cluster")
@@ -334,7 +337,7 @@ def cluster_from(
         changes["gpus_per_node"] = per_node
     if args.gpu is not None:
         g = cl.gpu(args.gpu)
-        changes.update(gpu_mem_bytes=g.mem_bytes, gpu_flops=g.flops(_precision(args, req, c)),
+        changes.update(gpu_mem_bytes=g.mem_bytes, gpu_flops=g.flops(_precision(args, req, c)), fp8_flops=g.fp8_flops,
                        name=f"{c.name.split(' ')[0]} with {args.gpu}")  # fmt: skip
     if args.gpu_mem is not None:
         changes["gpu_mem_bytes"] = cl.parse_size(args.gpu_mem, "--gpu-mem")
@@ -349,10 +352,15 @@ def cluster_from(
     if args.efficiency is not None:
         changes["efficiency"] = args.efficiency
     elif not c.on_cpu:
-        calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c))
+        calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c),
+                                           compiled=req.cfg.train.compile, fp8=getattr(args, "fp8", False))  # fmt: skip
         if calibrated is not None:
             changes["efficiency"] = calibrated
-    return replace(c, **changes) if changes else c
+    out = replace(c, **changes) if changes else c
+    if getattr(args, "fp8", False) and not out.fp8_flops:
+        raise ConfigError(f"--fp8: {out.name} has no fp8 tensor cores in its data sheet (fp8 peak unknown); "
+                          "drop --fp8, or plan a GPU that has them: --gpu h100, h200, b200 or mi300x.")  # fmt: skip
+    return out
 
 
 def _precision(args: argparse.Namespace, req: Request, c: cl.Cluster) -> str:
@@ -377,7 +385,8 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         notes.append(f"precision {precision} assumed on {c.name} (train's default is {cfg.train.precision}; "
                      "give --precision to plan another)")  # fmt: skip
     if cfg.train.compile:
-        notes.append("--compile is not modelled: fused kernels keep fewer activations than planned")
+        notes.append("--compile: time at the compiled efficiency; memory planned as eager (fused kernels keep "
+                     "fewer activations than planned)")  # fmt: skip
     if cfg.strategy.comm_algorithm != "native":
         notes.append(
             f"--comm-algorithm {cfg.strategy.comm_algorithm}: time planned with the backend's own collectives"
@@ -390,6 +399,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
         reduce_fp32=getattr(args, "reduce_fp32", False), fp8_all_gather=getattr(args, "fp8_all_gather", False),
+        fp8=getattr(args, "fp8", False), compile=cfg.train.compile,
     )  # fmt: skip
 
 

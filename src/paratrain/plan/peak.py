@@ -36,11 +36,12 @@ the peak is the largest of them:
    buffers of at most ``MAX_IN_FLIGHT`` = 2 buckets (ZeRO-2: one, the next bucket waits for the previous
    reduction), and the reduced shard Ψ/N. The activations are gone. On Gloo the bucket is all-reduced in
    place (Gloo's reduce-scatter would all-reduce a copy of it), so no second full-size buffer exists.
-3b. **ZeRO-2: a bucket's first gradient is packed during backward**: one send buffer, the gradient being
-   packed (the largest tensor, in full), and the shards of the buckets reduced before it (Ψ/N less this
-   bucket's). The activations of the layers not back-propagated yet are left out (backward's start counts
-   them all). Measured (``tests/dist/test_zero2_peak.py``): this moment is zero2's peak on an MLP of 25 MiB
-   buckets, 1.03× 4Ψ + 12Ψ/N + one bucket.
+3b. **ZeRO-2: a gradient is packed during backward**: one send buffer, the gradient being packed (unit u's
+   largest tensor, in full), and the shards of the buckets reduced before it (Ψ/N less this bucket's); with the
+   units known, the activations of the units ahead of u and u's own and the gradients arriving at and leaving
+   u, the highest over the units. Measured (``tests/dist/test_zero2_peak.py``): this moment is zero2's peak on
+   an MLP of 25 MiB buckets, 1.03× 4Ψ + 12Ψ/N + one bucket; on the 26K MLP whose gradients fit one bucket
+   (``benchmarks/bench_plan.py``), the activations and flowing gradients are a fifth of the peak.
 4. **The optimizer update.** States with the gradients the step reads, DDP's buckets, ZeRO-1's reduced shard,
    and the optimizer's temporaries. torch's Adam/AdamW on CPU runs the single-tensor loop: ``exp_avg_sq.sqrt()``
    and its quotient are two temporaries of one parameter's size (2 × the largest local tensor). On CUDA it
@@ -135,6 +136,13 @@ class StepShape:
     schedule starts and keeps (activations from the previous stage, gradients from the next)."""
     later_released: float = 0.0
     """One micro-batch's share of ``released_before_recompute`` (a later micro-batch's recomputation)."""
+    stage_outputs: float = 0.0
+    """Pipeline stages: the stage outputs torch's ``PipelineStage`` holds when backward starts (the in-flight
+    micro-batches' outputs; on the last stage the logits, which ``output_chunks`` keeps)."""
+    later_stage_outputs: float = 0.0
+    """The same at a later micro-batch's backward: the last stage then holds every micro-batch's logits."""
+    kept_stage_outputs: float = 0.0
+    """The last stage's ``output_chunks`` after the last backward, through the optimizer step."""
     later_activations: float = 0.0
     """Activations saved when such a later backward starts (a pipeline that ran every micro-batch's forward
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
@@ -186,6 +194,33 @@ def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
     return [Peak(f"FSDP post-backward of unit {u}", terms)]
 
 
+def _zero2_packing(s: StepShape, base: dict[str, float], send: float) -> Peak:
+    """ZeRO-2's moment 3b: a gradient is packed into the bucket's send buffer while backward runs. With the
+    units known (a transformer's layers, a traced model's blocks), the highest of it over the units, last to
+    first: unit u's largest gradient being packed, the activations of the units ahead of u and u's own (its
+    weights' hooks fire before the autograd engine has let go of everything the unit saved), and the gradient
+    arriving at u and the one it passes on. Measured (bench_plan, the 26K MLP whose gradients fit one bucket,
+    2 Gloo ranks): at the peak MemTracker holds 52.7 KB of activations and 33 KB of temporaries beside the send
+    buffer and the 64 KB gradient being packed. Without units: the largest gradient, no activations."""
+    g, n = s.d.grad, s.n
+    largest = s.largest_tensor * n * g
+    reduced = max(0.0, s.psi * g / n - send / n)
+    fixed = {**base, "send buffers": send, "reduced shard": reduced}
+    if not (s.units and s.unit_activations and len(s.units) == len(s.unit_activations)):
+        return Peak("zero2 packs a gradient during backward", {**fixed, "gradient being packed": largest})
+    before, best, best_u = 0.0, -1.0, 0
+    for u, a in enumerate(s.unit_activations):
+        total = min(largest, s.units[u] * g) + s.before_units + before + a
+        if total > best:
+            best, best_u = total, u
+        before += a
+    u = best_u
+    return Peak(f"zero2 packs a gradient during backward (unit {u})", {
+        **fixed, "gradient being packed": min(largest, s.units[u] * g),
+        "activations": s.before_units + sum(s.unit_activations[: u + 1]),
+        "output and input gradients": 2 * s.unit_input_grad})  # fmt: skip
+
+
 def peak(s: StepShape) -> Peak:
     """The highest candidate moment of the step (see the module docstring)."""
     return max(moments(s), key=lambda p: p.total)
@@ -204,6 +239,8 @@ def moments(s: StepShape) -> list[Peak]:
         start["ddp buckets"] = buckets
     if s.cast_copies:
         start["autocast weight copies"] = s.cast_copies
+    if s.stage_outputs:
+        start["pipeline stage outputs"] = s.stage_outputs
     out = [Peak("backward starts", start)]
     if s.recompute_working:
         redo = {**base, "activations": s.activations - s.released_before_recompute,
@@ -212,9 +249,13 @@ def moments(s: StepShape) -> list[Peak]:
             redo["ddp buckets"] = buckets
         if s.cast_copies:
             redo["autocast weight copies"] = s.cast_copies
+        if s.stage_outputs:
+            redo["pipeline stage outputs"] = s.stage_outputs
         out.append(Peak("a checkpointed layer recomputes", redo))
     if s.accumulated_grads:
         later = {**start, "activations": s.later_activations, "accumulated grads": s.accumulated_grads}
+        if s.later_stage_outputs:
+            later["pipeline stage outputs"] = s.later_stage_outputs
         if s.later_unsharded_params:
             later["unsharded params (pipeline FSDP stage)"] = s.later_unsharded_params
         out.append(Peak("a later micro-batch's backward starts", later))
@@ -236,9 +277,7 @@ def moments(s: StepShape) -> list[Peak]:
         if s.sharding == "grads":
             # a bucket's first gradient is packed into its new send buffer: the previous buckets' shards are
             # reduced, this one's not yet
-            out.append(Peak("zero2 packs a gradient during backward", {**base, "send buffers": send,
-                            "gradient being packed": s.largest_tensor * n * g,
-                            "reduced shard": max(0.0, s.psi * g / n - send / n)}))  # fmt: skip
+            out.append(_zero2_packing(s, base, send))
     update = {
         **base,
         "grads": st.grads * dev,
@@ -247,6 +286,8 @@ def moments(s: StepShape) -> list[Peak]:
     }
     if buckets:
         update["ddp buckets"] = buckets
+    if s.kept_stage_outputs:
+        update["pipeline stage outputs"] = s.kept_stage_outputs
     if sharded_opt and s.sharding == "optimizer":
         update["reduced shard"] = s.psi * g / n  # ZeRO-1: the full gradients stay, the reduced rows are extra
     out.append(Peak("optimizer update", update))

@@ -16,7 +16,13 @@ from paratrain.plan import peak as pk
 from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec, ParamGroup
-from paratrain.plan.time import recompute_fraction, stage_flops_per_sample, step_time, tp_rerun
+from paratrain.plan.time import (
+    recompute_fraction,
+    stage_flops_per_sample,
+    stage_linear_flops_per_sample,
+    step_time,
+    tp_rerun,
+)
 from paratrain.spec.hardware import Cluster
 
 DEFAULT_BATCH = 64
@@ -50,7 +56,15 @@ class Workload:
     """FSDP all-gathers the layers' linear weights in float8 (torchao's ``Float8Linear`` with
     ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8]`` setting): the unsharded weights (and the
     all-gather messages) are 1 byte per element instead of the compute dtype's 2; the embedding and output
-    layer stay 16-bit. Time still uses the 16-bit peak (fp8 matmuls are not modelled)."""
+    layer stay 16-bit. The matmuls' peak is :attr:`fp8`'s choice, not this one's."""
+    fp8: bool = False
+    """Float8 linears (torchao's ``Float8Linear``, torchtitan's ``[float8]``): the layers' linear matmuls run at
+    the GPU's fp8 peak (:attr:`Cluster.fp8_flops`), attention's core and the output layer (which torchtitan
+    leaves out) at the 16-bit one; the efficiency is the calibrated one of this compute
+    (:func:`paratrain.spec.hardware.compute_key`). Memory is planned as the 16-bit run's."""
+    compile: bool = False
+    """``torch.compile`` (train's ``--compile``): time at the compiled efficiency of the GPU family; memory is
+    planned as eager (fused kernels keep fewer activations)."""
     reduce_fp32: bool = False
     """FSDP under 16-bit compute: reduce-scatter the gradients, and accumulate them unsharded between
     micro-batches, in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``, torchtitan's
@@ -152,6 +166,33 @@ def _pipeline_buffers(st: Stage, layout: Layout, w: Workload, batch: Batch, inp:
     not_last = sum(1 for c in chunks if c < v * p - 1)
     in_flight = act.in_flight(w.pp_schedule, batch.micro, p, st.index)
     return inp * (not_first * max(0.0, batch.micro - in_flight) + not_last * batch.micro)
+
+
+def _stage_outputs(
+    spec: ModelSpec, st: Stage, layout: Layout, w: Workload, batch: Batch, d: mem.Dtypes, inp: float
+) -> tuple[float, float, float]:
+    """Bytes of the stage outputs torch's ``PipelineStage`` holds: ``(when backward starts, at a later
+    micro-batch's backward, after the last backward)``.
+
+    Every local stage keeps the output of each in-flight micro-batch in its ``fwd_cache`` until that micro-batch's
+    backward (the residual stream for a stage that is not the last; under full checkpointing no layer of the stage
+    saves its own last output). The last stage also appends every micro-batch's output, the logits, to
+    ``output_chunks`` to merge them for ``step()``'s return value: they stay until the next step's
+    ``clear_runtime_states``, through the optimizer step (``schedules.py``: ``return_outputs=True``, which
+    paratrain's pipeline and torchtitan keep; the loss's log-softmax is a separate fp32 tensor)."""
+    if layout.pp == 1 or spec.shape is None:
+        return 0.0, 0.0, 0.0
+    p, m = layout.pp, batch.micro
+    v = act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1
+    holds_last = st.index == p - 1
+    not_last = v - (1 if holds_last else 0)
+    k = act.in_flight(w.pp_schedule, m, p, st.index)
+    later_k = k - 1 if k >= m else k  # a pipeline that ran every forward first holds one fewer by then
+    lp = w.loss_parallel and layout.tp > 1
+    logits = batch.seq_len * batch.size * spec.shape.vocab_size * d.activation / (layout.tp if lp else 1)
+    first_logits = (m if w.pp_schedule == "gpipe" else 1) * logits if holds_last else 0.0
+    kept = m * logits if holds_last else 0.0
+    return k * not_last * inp + first_logits, later_k * not_last * inp + kept, kept
 
 
 def _accumulation(
@@ -271,10 +312,12 @@ def stage_peak(
     largest = spec.largest_tensor.per_rank(t) / (n if sharding != "none" else 1)
     psi = st.psi
     unit_bytes, gathered = _gathered_bytes(spec, st, t, w, d)
-    buffers = 0.0
+    buffers, outputs = 0.0, (0.0, 0.0, 0.0)
     if spec.shape is not None:
-        inp = batch.seq_len * batch.size * spec.shape.dim * d.activation
-        buffers = _pipeline_buffers(st, layout, w, batch, inp / (t if w.sequence_parallel and t > 1 else 1))
+        sp_split = t if w.sequence_parallel and t > 1 else 1
+        inp = batch.seq_len * batch.size * spec.shape.dim * d.activation / sp_split
+        buffers = _pipeline_buffers(st, layout, w, batch, inp)
+        outputs = _stage_outputs(spec, st, layout, w, batch, d, inp)
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
     moment = pk.peak(pk.StepShape(
@@ -285,7 +328,8 @@ def stage_peak(
         cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
         accumulated_grads=acc[0], later_activations=acc[1],
         later_unsharded_params=psi * gathered if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
-        unit_param_bytes=unit_bytes, pipeline_buffers=buffers,
+        unit_param_bytes=unit_bytes, pipeline_buffers=buffers, stage_outputs=outputs[0],
+        later_stage_outputs=outputs[1], kept_stage_outputs=outputs[2],
         **shape_kw,
     ))  # fmt: skip
     return moment, activations, reference
@@ -317,8 +361,12 @@ def stage_time(
     redo = recompute_fraction(spec, mode, every)
     samples = batch.global_batch / layout.dp
     flops = stage_flops_per_sample(spec, batch.seq_len, layers, st.last, redo) * samples / t
-    rate = cluster.gpu_flops * cluster.efficiency
-    time_ = step_time(flops / rate, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
+    seconds = flops / (cluster.gpu_flops * cluster.efficiency)
+    if w.fp8:  # the layers' linear matmuls at the fp8 peak, the rest at the 16-bit one
+        linear = stage_linear_flops_per_sample(spec, batch.seq_len, layers, redo) * samples / t
+        seconds -= linear / (cluster.gpu_flops * cluster.efficiency)
+        seconds += linear / (cluster.fp8_flops * cluster.efficiency)
+    time_ = step_time(seconds, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
                       micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
     comm: dict[str, int] = {}
     for op in ops:

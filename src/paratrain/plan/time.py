@@ -93,6 +93,18 @@ def stage_flops_per_sample(
     return layers * per_layer * (1 + redo / 3) + (head if last else 0.0)
 
 
+def stage_linear_flops_per_sample(
+    spec: ModelSpec, seq_len: int, layers: int, recompute: float | bool
+) -> float:
+    """The part of :func:`stage_flops_per_sample` in the layers' linear matmuls (6 FLOPs per token per weight,
+    and the recomputed forward): what ``--fp8`` runs at the fp8 peak. Attention's score and value products
+    (the 12·h·s term) and the output layer are not in it; a model without a transformer shape has none."""
+    if spec.shape is None or not spec.layers:
+        return 0.0
+    layer_params = (sum(g.total for g in spec.layers) - spec.inactive_params) / len(spec.layers)
+    return layers * seq_len * 6.0 * layer_params * (1 + float(recompute) / 3)
+
+
 @dataclass(frozen=True)
 class StepTime:
     compute: float

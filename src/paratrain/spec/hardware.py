@@ -64,6 +64,9 @@ class Cluster:
     """Fraction of ``gpu_flops`` a training step achieves on its matmuls."""
     name: str = "custom"
     """Preset name, or ``custom``."""
+    fp8_flops: float = 0.0
+    """Dense fp8 tensor-core FLOP/s of one GPU (0: none); ``paratrain plan --fp8`` runs the layers' linear
+    matmuls at it. Follows ``--gpu``, not ``--gpu-flops``."""
 
     def __post_init__(self) -> None:
         for f in ("gpus", "gpus_per_node"):
@@ -169,20 +172,39 @@ Longer names first, so that ``H100`` is not taken for ``H10``."""
 
 EFFICIENCY: dict[tuple[str, str], float] = {
     ("H100", "16-bit"): 0.371,
+    ("H100", "16-bit compiled"): 0.430,
+    ("H100", "fp8 compiled"): 0.372,
     ("H200", "16-bit"): 0.371,
-    ("A100", "16-bit"): 0.693,
+    ("H200", "16-bit compiled"): 0.430,
+    ("H200", "fp8 compiled"): 0.372,
+    ("A100", "16-bit"): 0.603,
 }
-"""Default fraction of the dense peak a training step achieves, per GPU family and precision, fitted to the
-published runs of ``benchmarks/bench_plan_published.py`` (docs/plan.md, "Calibrated time"): H100 bf16 eager is
-torchtitan's Llama 3.1 8B FSDP rows (implied 0.376 on 8 GPUs and 0.366 on 128: their geometric mean, both
-within 1.5%; H100s at 500 W with HBM2e, so a full-power SXM5 runs faster); H200 takes the H100's (same chip,
-no published eager row); A100 16-bit is Megatron-LM's GPT-3 175B (0.693, fused kernels, recomputation counted
-as the paper counts it). Other GPUs and fp32 keep :attr:`Cluster.efficiency`'s 0.5. ``--efficiency`` wins."""
+"""Default fraction of the dense peak a training step achieves, per GPU family and compute (:func:`compute_key`:
+the precision, ``fp8`` for Float8 linears, `` compiled`` with ``--compile``), fitted to the published runs of
+``benchmarks/bench_plan_published.py`` (docs/plan.md, "Calibrated time"): H100 bf16 eager is torchtitan's
+Llama 3.1 8B FSDP rows (implied 0.376 on 8 GPUs and 0.366 on 128: their geometric mean, both within 1.5%; H100s
+at 500 W with HBM2e, so a full-power SXM5 runs faster); H200 takes the H100's (same chip, no published eager
+row); H100 16-bit compiled is the same two rows with torch.compile (0.435, 0.425); H100 fp8 compiled is every
+torchtitan row with torch.compile + Float8: 8B FSDP on 8 and 128 GPUs, 70B FSDP x TP, 405B FSDP x TP x PP with
+1F1B, interleaved 1F1B and 1F1B at 32k tokens (implied 0.336-0.419, the efficiency of the whole step at the
+fp8 peak for the layers' linears and the 16-bit peak for the rest); A100 16-bit is Megatron-LM's GPT-3 175B
+(0.693, fused kernels, recomputation counted as the paper counts it) and IBM fms-fsdp's Llama 2 7B, 13B (HSDP)
+and 70B (FSDP, full AC) on 128 A100s (0.555, 0.475, 0.721): their geometric mean. Other GPUs, fp32, and fp8
+without compile keep :attr:`Cluster.efficiency`'s 0.5. ``--efficiency`` wins."""
 
 
-def default_efficiency(gpu_name: str, precision: str) -> float | None:
-    """:data:`EFFICIENCY` for a cluster's GPU (a preset or device name) at ``precision``, or None."""
-    key = "16-bit" if precision in ("bf16", "fp16", "fp16-mixed") else precision
+def compute_key(precision: str, compiled: bool = False, fp8: bool = False) -> str:
+    """The :data:`EFFICIENCY` key of a run's compute: ``16-bit``, ``fp32``, ``fp8`` (Float8 linears), each
+    with `` compiled`` under ``torch.compile``."""
+    base = "fp8" if fp8 else "16-bit" if precision in ("bf16", "fp16", "fp16-mixed") else precision
+    return base + (" compiled" if compiled else "")
+
+
+def default_efficiency(
+    gpu_name: str, precision: str, compiled: bool = False, fp8: bool = False
+) -> float | None:
+    """:data:`EFFICIENCY` for a cluster's GPU (a preset or device name) and compute, or None."""
+    key = compute_key(precision, compiled, fp8)
     for (family, prec), e in EFFICIENCY.items():
         if family.lower() in gpu_name.lower() and prec == key:
             return e
@@ -209,7 +231,7 @@ def gpu_peak_flops(device_name: str, precision: str = "bf16") -> float | None:
 PRESETS: dict[str, Cluster] = {
     "h100-nvlink-ib": Cluster(
         gpus=8, gpus_per_node=8, gpu_mem_bytes=80 * _GB, gpu_flops=989e12, intra_bw=450 * _GB,
-        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="h100-nvlink-ib",
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="h100-nvlink-ib", fp8_flops=1979e12,
     ),
     "a100-nvlink-ib": Cluster(
         gpus=8, gpus_per_node=8, gpu_mem_bytes=80 * _GB, gpu_flops=312e12, intra_bw=300 * _GB,
@@ -217,15 +239,15 @@ PRESETS: dict[str, Cluster] = {
     ),
     "h200-nvlink-ib": Cluster(  # an H100 system's links (NVLink 4, one 400 Gb/s NIC per GPU), 141 GB
         gpus=8, gpus_per_node=8, gpu_mem_bytes=141 * _GB, gpu_flops=989e12, intra_bw=450 * _GB,
-        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="h200-nvlink-ib",
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="h200-nvlink-ib", fp8_flops=1979e12,
     ),
     "b200-nvlink-ib": Cluster(  # NVLink 5: 1.8 TB/s bidirectional per GPU; ConnectX-7 400 Gb/s per GPU
         gpus=8, gpus_per_node=8, gpu_mem_bytes=180 * _GB, gpu_flops=2250e12, intra_bw=900 * _GB,
-        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="b200-nvlink-ib",
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="b200-nvlink-ib", fp8_flops=4500e12,
     ),
     "mi300x-xgmi-ib": Cluster(  # Infinity Fabric: 7 links x 64 GB/s per direction to the 7 peers; 400 Gb/s NIC
         gpus=8, gpus_per_node=8, gpu_mem_bytes=192 * _GB, gpu_flops=1307.4e12, intra_bw=448 * _GB,
-        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="mi300x-xgmi-ib",
+        intra_latency=3.4e-6, inter_bw=50 * _GB, inter_latency=14e-6, name="mi300x-xgmi-ib", fp8_flops=2614.9e12,
     ),
     "cpu-local": Cluster(
         gpus=2, gpus_per_node=2, gpu_mem_bytes=8 * _GB, gpu_flops=1e11, intra_bw=1 / 1.48e-9,
