@@ -239,6 +239,9 @@ def test_inspect_says_a_legacy_manifest_is_sizes_only(
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[2:]}
     assert lines["1"].endswith("valid (sizes only: written before checksums, unverified)")
     assert lines["2"].endswith("  valid")
+    assert main(["ckpt", "inspect", str(tmp_path / "step_00000002")]) == 0  # one step: no "latest -> None"
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith(f"{tmp_path / 'step_00000002'}: one step (its directory's latest -> step_00000002;")
 
 
 # ---- order: commit time, not step number ----------------------------------------------------------------------

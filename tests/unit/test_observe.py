@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,3 +192,14 @@ def test_plot_reads_a_damaged_metrics_file(tmp_path: Path) -> None:
     )
     run = load_run(tmp_path)
     assert run["step"] == [1, 2] and run["loss"] == [2.0, 1.5]
+
+
+def test_plot_draws_each_step_once_after_a_resume(tmp_path: Path) -> None:
+    """A launch logged steps 1-3 and crashed after its save at 2; the resumed launch logs 3 and 4 again."""
+    from paratrain.diagnose.plot import load_run
+
+    lines = [{"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0}, {"step": 3, "loss": 2.5},
+             {"step": 2, "eval_loss": 3.1}, {"step": 3, "loss": 2.0}, {"step": 4, "loss": 1.0}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = load_run(tmp_path)
+    assert run["step"] == [1, 2, 3, 4] and run["loss"] == [4.0, 3.0, 2.0, 1.0]

@@ -182,3 +182,28 @@ def test_a_new_run_in_a_used_directory_starts_new_tracker_runs(tmp_path: Path) -
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["3", "3"]  # the step, then the final evaluation
     assert len(list((tmp_path / "csv").glob("metrics-*.csv"))) == 1  # the old run's file is kept
+
+
+def test_a_resume_after_a_crash_and_a_new_run_draw_each_step_once(tmp_path: Path) -> None:
+    """A launch that logged steps 2..6 but saved at 4, resumed from 4: steps 5+ come from the second launch
+    only; then ``--resume never`` in the same directory: the old runs are set aside, not drawn on one curve."""
+    names = "csv,tensorboard" if "tensorboard" in ALL else "csv"
+    _run(tmp_path, names, 0, [2, 4, 6])
+    _run(tmp_path, names, 4, [5, 6])
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        train = [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r["train/loss"]]
+    assert train == [(2, 0.5), (4, 0.25), (5, 0.2), (6, 1 / 6)]
+    if "tensorboard" in ALL:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        def steps(path: Path, tag: str = "train/loss") -> list[int]:
+            acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+            acc.Reload()
+            return [e.step for e in acc.Scalars(tag)]
+
+        assert steps(tmp_path / "tensorboard") == [2, 4, 5, 6]  # the first launch's step 6 is purged
+        assert steps(tmp_path / "tensorboard", "eval/loss") == [6]
+        _run(tmp_path, names, 0, [3])  # --resume never
+        assert steps(tmp_path / "tensorboard") == [3]
+        (previous,) = (tmp_path / "tensorboard").glob("previous-*")
+        assert steps(previous) == [2, 4, 5, 6]

@@ -98,12 +98,14 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
         )
     if step_of(r) is None and (r / "checkpoints").is_dir() and not (r / LATEST_FILE).exists():
         r = r / "checkpoints"  # a run directory
-    if step_of(r) is not None:
+    if step_of(r) is not None:  # one step: what its directory's latest names, not what auto-resume picks
+        named, why = read_latest(r.parent)
         return {
             "root": str(r.parent),
+            "step_dir": str(r),
             "checkpoints": [describe(r, fast)],
-            "latest": None,
-            "latest_problem": None,
+            "latest": named.name if named is not None else None,
+            "latest_problem": f"{LATEST_FILE} {why}" if why else None,
             "resume_auto": None,
             "in_progress": [],
         }
@@ -140,7 +142,12 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
 
 
 def format_inspect(info: dict[str, Any]) -> str:
-    lines = [f"{info['root']}: latest -> {info['latest']}, --resume auto loads {info['resume_auto']}"]
+    if info.get("step_dir"):
+        latest = f"its directory's latest -> {info['latest']}" if info["latest"] else "no latest beside it"
+        lines = [f"{info['step_dir']}: one step ({latest}; `paratrain ckpt inspect {info['root']}` lists every "
+                 "step and what --resume auto loads)"]  # fmt: skip
+    else:
+        lines = [f"{info['root']}: latest -> {info['latest']}, --resume auto loads {info['resume_auto']}"]
     for note in info.get("notes") or ([info["latest_problem"]] if info.get("latest_problem") else []):
         lines.append(f"warning: {note}")
     cols = [Col("step", ">", 10), Col("size", ">", 10), Col("world", ">", 5), Col("strategy", ">", 9),

@@ -74,7 +74,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
             records.append(json.loads(line))
         except ValueError:  # a line cut short by a crash
             continue
-    steps = [r for r in records if "loss" in r]
+    steps = _superseded_dropped([r for r in records if "loss" in r])
     summary = _read_json(d / "summary.json") or {}
     config = _read_json(d / "config.json") or {}
     strategy = summary.get("strategy") or config.get("strategy", {}).get("name") or "?"
@@ -96,6 +96,17 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
             None,
         ),
     }
+
+
+def _superseded_dropped(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A resumed launch logs again the steps after its checkpoint that a crashed launch had logged: a step
+    that goes back replaces what was logged from that step on, so each step is drawn once."""
+    out: list[dict[str, Any]] = []
+    for r in steps:
+        while out and isinstance(r.get("step"), int) and out[-1].get("step", -1) >= r["step"]:
+            out.pop()
+        out.append(r)
+    return out
 
 
 def _unique_labels(runs: list[dict[str, Any]]) -> None:

@@ -196,13 +196,15 @@ class CSVTracker(Tracker):
         self.path = self.dir / "metrics.csv"
         self.rows: list[dict[str, Any]] = []
         if self.path.is_file() and self.path.stat().st_size:
-            if step > 0:  # resumed: continue the file
+            if step > 0:  # resumed: continue the file, without what a crashed launch logged after `step`
                 with open(self.path, newline="") as f:
-                    self.rows = list(csv.DictReader(f))
+                    self.rows = [r for r in csv.DictReader(f) if _step_of(r) <= step]
             else:  # a new run in a used directory keeps the old file
                 stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
                 os.replace(self.path, self.dir / f"metrics-{stamp}.csv")
         self.columns = ["step", *dict.fromkeys(k for r in self.rows for k in r if k != "step")]
+        if self.rows:
+            self._rewrite()
         (self.dir / "hparams.json").write_text(json.dumps(self.params, indent=1) + "\n")
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -211,13 +213,23 @@ class CSVTracker(Tracker):
         new = [k for k in scalars if k not in self.columns]
         if new or not self.path.exists():
             self.columns += new
-            with open(self.path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=self.columns)
-                w.writeheader()
-                w.writerows(self.rows)
+            self._rewrite()
         else:
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+
+    def _rewrite(self) -> None:
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.columns)
+            w.writeheader()
+            w.writerows(self.rows)
+
+
+def _step_of(row: dict[str, Any]) -> int:
+    try:
+        return int(row.get("step") or 0)
+    except ValueError:
+        return 0
 
 
 class MLflowTracker(Tracker):
