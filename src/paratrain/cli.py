@@ -31,12 +31,15 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def early_checks(cfg: RunConfig) -> None:
     """The refusals that need no torch, before anything imports it (a typo is answered in well under a
-    second): the strategy name, and, when the world size is known without asking for GPUs (``--nproc-per-node``
-    or ``--device cpu``, a fixed ``--nnodes``), the strategy's degrees and the batch split."""
+    second): the strategy, model and dataset names, and, when the world size is known without asking for
+    GPUs (``--nproc-per-node`` or ``--device cpu``, a fixed ``--nnodes``), the strategy's degrees and the
+    batch split."""
     from paratrain.spec import strategies as specs
+    from paratrain.spec.catalog import check_names
     from paratrain.spec.refusals import check
 
     name = specs.canonical(cfg.strategy.name)
+    check_names(cfg.model.name, cfg.data.name, cfg.data.path)
     launch = cfg.launch
     nproc = launch.nproc_per_node or (2 if launch.device == "cpu" else None)
     if nproc is None or ":" in launch.nnodes or not launch.nnodes.isdigit():
@@ -97,7 +100,9 @@ def _print_summary(s: dict[str, Any]) -> None:
     if s.get("peak_bytes_per_rank"):
         rows.insert(-2, ("peak / rank", f"{s['peak_bytes_per_rank'] / 2**20:.2f} MiB (during a step)"))
     if s.get("predicted_peak_bytes_per_rank"):
-        rows.insert(-2, ("predicted peak", f"{s['predicted_peak_bytes_per_rank'] / 2**20:.2f} MiB (paratrain plan)"))
+        rows.insert(
+            -2, ("predicted peak", f"{s['predicted_peak_bytes_per_rank'] / 2**20:.2f} MiB (paratrain plan)")
+        )
     if s.get("cuda_peak_allocated_bytes_per_rank"):
         alloc, reserved = (
             s["cuda_peak_allocated_bytes_per_rank"],
@@ -272,7 +277,6 @@ def _plan(p: argparse.ArgumentParser) -> None:
 
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
-
 
 
 def _generate(p: argparse.ArgumentParser) -> None:

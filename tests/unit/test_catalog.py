@@ -40,6 +40,9 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
         sys.meta_path.insert(0, _Block())
         from paratrain.cli import main
         main(["models", "--json"]); main(["datasets", "--json"])
+        # a typo in --model or --data is refused before anything imports torch
+        assert main(["train", "--model", "mlpp"]) == 2 and main(["train", "--data", "synthetic"]) == 2
+        assert main(["train", "--data", "mnist:/nowhere", "--model", "m:build", "--steps", "0"]) == 2
         assert "torch" not in sys.modules
         """
     )
@@ -47,6 +50,15 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
     assert proc.returncode == 0, proc.stderr
     models, datasets = (json.loads(line) for line in proc.stdout.splitlines())
     assert "llama2-7b" in models and "mlp" in models and "python-stdlib" in datasets
+    refusals = proc.stderr.splitlines()
+    assert refusals[0] == (
+        "paratrain train: error: unknown model 'mlpp'. Choose one of: " + ", ".join(sorted(models))
+        + ". Did you mean 'mlp'?"
+    )  # fmt: skip
+    assert refusals[1].startswith(
+        "paratrain train: error: unknown dataset 'synthetic'. Choose one of: cifar10"
+    )
+    assert len(refusals) == 3 and "train.steps must be positive" in refusals[2]  # NAME:PATH, module:attr pass
 
 
 def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

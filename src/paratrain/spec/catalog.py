@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from paratrain.errors import ConfigError, suggest
+from paratrain.spec.factory import is_import_path
 from paratrain.spec.llama import PRESETS, SHAPE_ONLY_PRESETS, count_params
 
 MODEL_GROUP, DATASET_GROUP = "paratrain.models", "paratrain.datasets"
@@ -63,3 +65,17 @@ def datasets() -> list[tuple[str, str]]:
     return list(DATASETS.items()) + [
         (n, f"from an installed package: {v}") for n, v in plugins(DATASET_GROUP).items()
     ]
+
+
+def check_names(model: str, data: str, data_path: str | None) -> None:
+    """Refuse an unknown ``--model`` or ``--data`` name before torch is imported, with the message the
+    registries give (this catalog names what they accept). ``hf:DIR`` and ``module:attr`` pass: the model
+    and data builders check those."""
+    if not (model.startswith("hf:") or is_import_path(model)):
+        names = [n for n, _ in models()]
+        if model not in names:
+            raise ConfigError(f"unknown model {model!r}. {suggest(model, names)}")
+    full = f"{data}:{data_path}" if data_path is not None else data
+    names = [n for n, _ in datasets()]
+    if data not in names and not is_import_path(full):
+        raise ConfigError(f"unknown dataset {data!r}. {suggest(data, names)}")
