@@ -70,6 +70,8 @@ def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # the current directory is importable
     fn = load_object("usermod:build", "--model")
     assert call_accepting(fn, input_shape=(4,), num_outputs=10) == ((4,), 3)  # num_outputs not accepted
+    with pytest.raises(ConfigError, match=r"--model m:f needs 'hidden', which paratrain does not pass"):
+        call_accepting(lambda input_shape, hidden, num_outputs=1: 0, "--model m:f", input_shape=(4,))
     with pytest.raises(ConfigError, match="usermod has no attribute 'nope'"):
         load_object("usermod:nope", "--model")
     with pytest.raises(ConfigError, match="no module named 'nomod'"):

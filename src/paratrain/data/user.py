@@ -57,11 +57,13 @@ def build_user_dataset(path: str, cfg: DataConfig, seed: int = 0) -> Any:
     from paratrain.data import Splits, TensorData
 
     factory = load_object(path, "--data")
-    out = call_accepting(factory, seed=seed, seq_len=cfg.seq_len, test_fraction=cfg.test_fraction, path=None)
+    out = call_accepting(
+        factory, f"--data {path}", seed=seed, seq_len=cfg.seq_len, test_fraction=cfg.test_fraction, path=None
+    )
     if isinstance(out, Splits):
         return out
     if _field(out, "train") is None or _field(out, "test") is None:
-        raise ConfigError(f"--data {path} returned a {type(out).__name__} without train and test splits; return "
+        raise ConfigError(f"--data {path} returned {type(out).__name__} without train and test splits; return "
                           "an object or dict with train=(inputs, targets) and test=(inputs, targets).")  # fmt: skip
     task = _field(out, "task", "classification")
     if task not in TASKS:

@@ -64,9 +64,13 @@ def user_model_builder(path: str) -> ModelBuilder:
     factory = load_object(path, "--model")  # imported now: a bad path fails before launch
 
     def build(cfg: ModelConfig, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
-        model = call_accepting(factory, input_shape=tuple(input_shape), num_outputs=num_outputs)
+        model = call_accepting(
+            factory, f"--model {path}", input_shape=tuple(input_shape), num_outputs=num_outputs
+        )
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"--model {path} returned a {type(model).__name__}, not a torch.nn.Module.")
+            raise ConfigError(
+                f"--model {path} returned {type(model).__name__}, not a torch.nn.Module: return the model."
+            )
         return model
 
     return build
@@ -130,7 +134,9 @@ def _init_from(model: nn.Module, source: str) -> None:
         raise ConfigError(f"--init-from {source!r}: write hf:DIR, a Hugging Face LlamaForCausalLM directory.")
     d = Path(source[len(HF_PREFIX) :]).expanduser()
     if not (d / "config.json").is_file():
-        raise ConfigError(f"--init-from {source}: {d} has no config.json (not a Hugging Face model directory).")
+        raise ConfigError(
+            f"--init-from {source}: {d} has no config.json (not a Hugging Face model directory)."
+        )
     if all(p.device.type != "meta" for p in model.parameters()):
         load_hf_into_llama(model, d)
 

@@ -55,13 +55,26 @@ def load_object(path: str, what: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def call_accepting(fn: Callable[..., Any], **offered: Any) -> Any:
+def call_accepting(fn: Callable[..., Any], what: str | None = None, /, **offered: Any) -> Any:
     """``fn(**kw)`` with the keyword arguments of ``offered`` that ``fn`` accepts (all of them when it takes
-    ``**kwargs``)."""
+    ``**kwargs``). A parameter without a default that is not offered is refused with :class:`ConfigError`
+    naming it and what is offered (``what``: the flag and path in the message), before ``fn`` runs."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: call it bare
         return fn()
+    missing = [
+        n for n, p in params.items()
+        if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD
+        and (n not in offered or p.kind is p.POSITIONAL_ONLY)
+    ]  # fmt: skip
+    if missing:
+        name = what or getattr(fn, "__qualname__", repr(fn))
+        raise ConfigError(
+            f"{name} needs {', '.join(repr(n) for n in missing)}, which paratrain does not pass: it calls it with "
+            f"the keyword arguments it accepts among {', '.join(offered)}. Give the other parameters defaults "
+            "(or read them from the environment)."
+        )
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return fn(**offered)
     names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
