@@ -6,6 +6,7 @@ read and sorted root cause first, instead of printing a traceback per rank.
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,18 @@ def _format_with_notes(failures: list[RankFailure], attempts: int, notes: dict[i
     return "\n".join(lines)
 
 
+_LIBRARY = re.compile(r'File "[^"]*/(site-packages|dist-packages|lib/python\d+\.\d+)/')
+
+
 def _last_frame(tb: str) -> str:
+    """Where the error was raised: the innermost frame, or, when that is inside an installed library (torch's
+    ``linear.py`` for a shape mismatch), the innermost frame of the user's own code that called into it."""
     frames = [ln.strip() for ln in tb.splitlines() if ln.strip().startswith('File "')]
-    return frames[-1] if frames else ""
+    if not frames:
+        return ""
+    own = [f for f in frames if not _LIBRARY.match(f)]
+    if not own or own[-1] == frames[-1]:
+        return frames[-1]
+    inner = re.match(r'File "[^"]*/(?:site|dist)-packages/([^"]+)", line (\d+)', frames[-1])
+    where = f"{inner.group(1)}:{inner.group(2)}" if inner else frames[-1]
+    return f"{own[-1]} (raised in {where})"
