@@ -199,6 +199,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if not Path(args.ckpt).exists():  # before torch is imported
+        raise ConfigError(
+            f"--ckpt {args.ckpt} does not exist. Give a run directory, a checkpoint directory or a step."
+        )
     from paratrain.train.generate import generate
 
     out = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,

@@ -1,5 +1,5 @@
 """``paratrain models`` / ``datasets``: the torch-free catalog names exactly what the registries accept, marks
-the shape-only presets, and the commands import no torch; the import-path helpers of ``--model/--data
+the shape-only presets, and the commands (and the refusal of a typo in a name or path) import no torch; the import-path helpers of ``--model/--data
 pkg.module:factory``."""
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
         # a typo in --model or --data is refused before anything imports torch
         assert main(["train", "--model", "mlpp"]) == 2 and main(["train", "--data", "synthetic"]) == 2
         assert main(["train", "--data", "mnist:/nowhere", "--model", "m:build", "--steps", "0"]) == 2
+        # so is a checkpoint path that does not exist
+        assert main(["ckpt", "inspect", "runs/nowhere"]) == 2 and main(["ckpt", "export", "runs/nowhere", "o"]) == 2
+        assert main(["generate", "--ckpt", "runs/nowhere", "--prompt", "x"]) == 2
         assert "torch" not in sys.modules
         """
     )
@@ -58,7 +61,9 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
     assert refusals[1].startswith(
         "paratrain train: error: unknown dataset 'synthetic'. Choose one of: cifar10"
     )
-    assert len(refusals) == 3 and "train.steps must be positive" in refusals[2]  # NAME:PATH, module:attr pass
+    assert len(refusals) == 6 and "train.steps must be positive" in refusals[2]  # NAME:PATH, module:attr pass
+    assert refusals[3].startswith("paratrain ckpt: error: runs/nowhere does not exist. Give a run directory")
+    assert refusals[5].startswith("paratrain generate: error: --ckpt runs/nowhere does not exist.")
 
 
 def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

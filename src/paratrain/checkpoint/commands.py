@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+from paratrain.errors import ConfigError
+
+WHAT = "a run directory, its checkpoints/ directory, its latest file or one step_NNNNNNNN directory"
 
 
 def add_ckpt_commands(sub: Any) -> None:
@@ -47,6 +52,7 @@ def add_ckpt_commands(sub: Any) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    _require(args.dir)
     from paratrain.checkpoint.inspect import format_inspect, inspect_dir
 
     info = inspect_dir(args.dir, fast=args.fast)
@@ -54,7 +60,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require(path: str) -> None:
+    """A path that does not exist is refused before torch is imported (under a second, not several)."""
+    if not Path(path).exists():
+        raise ConfigError(f"{path} does not exist. Give {WHAT}.")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    _require(args.step_dir)
     from paratrain.checkpoint.inspect import export_safetensors
 
     if args.format == "hf":

@@ -88,7 +88,10 @@ def inspect_dir(root: str | Path, fast: bool = False) -> dict[str, Any]:
     ``latest`` names, what auto-resume would load, and saves that never finished (temporary directories). ``fast``: sizes, not checksums."""
     r = Path(root)
     if not r.exists():
-        raise ConfigError(f"{r} does not exist. Give a checkpoint directory (e.g. runs/NAME/checkpoints).")
+        raise ConfigError(
+            f"{r} does not exist. Give a run directory, its checkpoints/ directory, its latest file or one "
+            "step_NNNNNNNN directory."
+        )
     if r.name == LATEST_FILE and r.is_file():  # a checkpoint directory's `latest`: that directory
         r = r.parent
     if not r.is_dir():

@@ -86,7 +86,7 @@ class ConsoleLog:
         left = self.total - step
         if left > 0:
             self.print(f"first steps timed: {seconds:.3g} s/step, about {duration(seconds * left)} for the "
-                       f"{left} steps left; a line every {self.every} step(s)")  # fmt: skip
+                       f"{left} step{'s' if left > 1 else ''} left; a line every {self.every} step(s)")  # fmt: skip
 
     def step_line(self, step: int, loss: float | None, lr: float | None, train_s: float) -> None:
         """The progress line of step ``step`` (rank 0, and only when no progress bar is shown)."""
