@@ -81,3 +81,16 @@ def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         load_object("usermod:nope", "--model")
     with pytest.raises(ConfigError, match="no module named 'nomod'"):
         load_object("nomod:build", "--data")
+
+
+@pytest.mark.timeout(60)
+def test_a_typo_in_plan_s_model_imports_no_torch() -> None:
+    """With torch installed (not blocked): the check that torch exists must not import it."""
+    code = (
+        "import sys\nfrom paratrain.cli import main\n"
+        "assert main(['plan', '--model', 'llama3-8bb', '--gpus', '8']) == 2\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown model 'llama3-8bb'" in proc.stderr and "Did you mean 'llama3-8b'?" in proc.stderr

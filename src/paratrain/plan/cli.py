@@ -149,11 +149,13 @@ def _toml(path: str) -> dict[str, Any]:
 
 
 def _torch_available() -> bool:
+    """Whether torch is installed, without importing it (a refused typo then costs no torch import)."""
+    import importlib.util
+
     try:
-        import torch  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def default_model_builder(name: str) -> tuple[Any, Any]:
@@ -181,14 +183,16 @@ def default_model_builder(name: str) -> tuple[Any, Any]:
             f"planning model {name!r} needs torch to count its parameters (it is not a transformer shape). "
             "Install torch, or plan a shape: --model llama-*, or --params N."
         )
+    from paratrain.spec import catalog
+
+    known = [n for n, _ in catalog.models()]  # the registries' names, without importing torch for a typo
+    if name not in known:
+        raise ConfigError(f"unknown model {name!r}. {suggest(name, [*known, *PRESETS, *FALLBACK_SHAPES])}")
     import torch
 
     from paratrain.config import ModelConfig
-    from paratrain.models import available_models, build_model
+    from paratrain.models import build_model
 
-    known = available_models()
-    if name not in known:
-        raise ConfigError(f"unknown model {name!r}. {suggest(name, [*known, *PRESETS, *FALLBACK_SHAPES])}")
     with torch.device("meta"):
         return build_model(ModelConfig(name=name), DIGITS_INPUT, 10), None
 
@@ -280,12 +284,15 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
             spec_from_module(module, name, shape=shape_from_config(config)), moe=moe_from_config(config)
         )
     if builder is None and name not in FALLBACK_SHAPES and _torch_available() and ":" not in name:
-        from paratrain.models import available_models, build_model
+        from paratrain.spec import catalog
 
-        if name not in available_models():
+        known = [n for n, _ in catalog.models()]  # the registries' names, without importing torch for a typo
+        if name not in known:
             raise ConfigError(
-                f"unknown model {name!r}. {suggest(name, [*available_models(), *PRESETS, *FALLBACK_SHAPES])}"
+                f"unknown model {name!r}. {suggest(name, [*known, *PRESETS, *FALLBACK_SHAPES])}"
             )
+        from paratrain.models import build_model
+
         input_shape, outputs = _data_shape(req)
         import torch
 
