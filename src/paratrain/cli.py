@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -31,15 +32,18 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def early_checks(cfg: RunConfig) -> None:
     """The refusals that need no torch, before anything imports it (a typo is answered in well under a
-    second): the strategy, model and dataset names, and, when the world size is known without asking for
-    GPUs (``--nproc-per-node`` or ``--device cpu``, a fixed ``--nnodes``), the strategy's degrees and the
-    batch split."""
+    second): the strategy, model and dataset names, a dataset path or run directory that cannot be, and,
+    when the world size is known without asking for GPUs (``--nproc-per-node`` or ``--device cpu``, a fixed
+    ``--nnodes``), the strategy's degrees and the batch split."""
     from paratrain.spec import strategies as specs
     from paratrain.spec.catalog import check_names
     from paratrain.spec.refusals import check
 
     name = specs.canonical(cfg.strategy.name)
     check_names(cfg.model.name, cfg.data.name, cfg.data.path)
+    for what, value in (("--ckpt-dir", cfg.checkpoint.dir), ("--run-dir", cfg.train.run_dir)):
+        if value is not None and os.path.exists(value) and not os.path.isdir(value):
+            raise ConfigError(f"{what} {value!r} exists and is not a directory. Give a directory path.")
     launch = cfg.launch
     nproc = launch.nproc_per_node or (2 if launch.device == "cpu" else None)
     if nproc is None or ":" in launch.nnodes or not launch.nnodes.isdigit():

@@ -14,6 +14,7 @@ The built-in entries are described here (a unit test holds this table to the reg
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from paratrain.errors import ConfigError, suggest
 from paratrain.spec.factory import is_import_path
@@ -79,3 +80,15 @@ def check_names(model: str, data: str, data_path: str | None) -> None:
     names = [n for n, _ in datasets()]
     if data not in names and not is_import_path(full):
         raise ConfigError(f"unknown dataset {data!r}. {suggest(data, names)}")
+    if data in PATH_HINTS and data_path is not None and not Path(data_path).exists():
+        raise ConfigError(f"--data {full}: {data_path!r} does not exist. {PATH_HINTS[data]}")
+
+
+PATH_HINTS: dict[str, str] = {
+    "mnist": "Pass the folder with the IDX files (train-images-idx3-ubyte, ...).",
+    "cifar10": "Pass the folder with data_batch_*.bin (CIFAR-10's binary version).",
+    "text": "Pass an existing text file or directory of text files.",
+    "jsonl": "Pass an existing JSON-lines file.",
+}
+"""The built-in datasets read from a path: what to pass when the path does not exist (checked before torch
+is imported; each dataset checks the files inside it when it opens)."""
