@@ -73,6 +73,10 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
     assert refusals[7].startswith("paratrain generate: error: --ckpt runs/nowhere does not exist.")
 
 
+def _raises(seed: int) -> None:
+    raise ValueError("odd width")
+
+
 def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert is_import_path("mypkg.models:build") and is_import_path("m:Net.create")
     assert not is_import_path("mnist:/data/mnist") and not is_import_path("text:../corpus")
@@ -84,6 +88,10 @@ def test_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert call_accepting(fn, input_shape=(4,), num_outputs=10) == ((4,), 3)  # num_outputs not accepted
     with pytest.raises(ConfigError, match=r"--model m:f needs 'hidden', which paratrain does not pass"):
         call_accepting(lambda input_shape, hidden, num_outputs=1: 0, "--model m:f", input_shape=(4,))
+    with pytest.raises(
+        ConfigError, match=r"^--data m:f raised ValueError: odd width \(at .*test_catalog\.py:\d+\)$"
+    ):
+        call_accepting(_raises, "--data m:f", seed=0)
     with pytest.raises(ConfigError, match="usermod has no attribute 'nope'"):
         load_object("usermod:nope", "--model")
     with pytest.raises(ConfigError, match="no module named 'nomod'"):

@@ -14,6 +14,7 @@ import inspect
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,22 @@ def call_accepting(fn: Callable[..., Any], what: str | None = None, /, **offered
             f"the keyword arguments it accepts among {', '.join(offered)}. Give the other parameters defaults "
             "(or read them from the environment)."
         )
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        offered = {k: v for k, v in offered.items() if k in names}
+    try:
         return fn(**offered)
-    names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return fn(**{k: v for k, v in offered.items() if k in names})
+    except ConfigError:
+        raise
+    except Exception as e:
+        if what is None:
+            raise
+        # one line naming the factory, the error and the user's line that raised it (or called the library
+        # that did), rather than a traceback through paratrain's preflight
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+        own = [f for f in frames if not _LIBRARY.search(f.filename)] or frames
+        at = f" (at {own[-1].filename}:{own[-1].lineno})" if own else ""
+        raise ConfigError(f"{what} raised {type(e).__name__}: {e}{at}") from e
+
+
+_LIBRARY = re.compile(r"/(site-packages|dist-packages|lib/python\d+\.\d+)/")
