@@ -46,6 +46,8 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
         # so is a dataset path that does not exist, a run directory that is a file, a checkpoint path
         assert main(["train", "--data", "mnist:/nowhere/mnist"]) == 2
         assert main(["train", "--run-dir", sys.executable]) == 2
+        assert main(["train", "--model", "llama2-70b", "--data", "python-stdlib"]) == 2
+        assert main(["train", "--model", "hf:/nowhere/llama", "--data", "python-stdlib"]) == 2
         assert main(["ckpt", "inspect", "runs/nowhere"]) == 2 and main(["ckpt", "export", "runs/nowhere", "o"]) == 2
         assert main(["generate", "--ckpt", "runs/nowhere", "--prompt", "x"]) == 2
         assert "torch" not in sys.modules
@@ -63,14 +65,18 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
     assert refusals[1].startswith(
         "paratrain train: error: unknown dataset 'synthetic'. Choose one of: cifar10"
     )
-    assert len(refusals) == 8 and "train.steps must be positive" in refusals[2]  # NAME:PATH, module:attr pass
+    assert (
+        len(refusals) == 10 and "train.steps must be positive" in refusals[2]
+    )  # NAME:PATH, module:attr pass
     assert refusals[3] == (
         "paratrain train: error: --data mnist:/nowhere/mnist: '/nowhere/mnist' does not exist. Pass the folder "
         "with the IDX files (train-images-idx3-ubyte, ...)."
     )
     assert refusals[4].endswith("exists and is not a directory. Give a directory path.")
-    assert refusals[5].startswith("paratrain ckpt: error: runs/nowhere does not exist. Give a run directory")
-    assert refusals[7].startswith("paratrain generate: error: --ckpt runs/nowhere does not exist.")
+    assert "'llama2-70b' (69.0B parameters) is a shape-only preset" in refusals[5]  # its own vocabulary
+    assert "--model hf:/nowhere/llama: /nowhere/llama is not a directory." in refusals[6]
+    assert refusals[7].startswith("paratrain ckpt: error: runs/nowhere does not exist. Give a run directory")
+    assert refusals[9].startswith("paratrain generate: error: --ckpt runs/nowhere does not exist.")
 
 
 def _raises(seed: int) -> None:

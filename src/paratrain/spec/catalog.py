@@ -18,7 +18,7 @@ from pathlib import Path
 
 from paratrain.errors import ConfigError, suggest
 from paratrain.spec.factory import is_import_path
-from paratrain.spec.llama import PRESETS, SHAPE_ONLY_PRESETS, count_params
+from paratrain.spec.llama import PRESETS, SHAPE_ONLY_PRESETS, check_trainable, count_params
 
 MODEL_GROUP, DATASET_GROUP = "paratrain.models", "paratrain.datasets"
 """Entry-point groups of models and datasets that other packages provide."""
@@ -69,13 +69,20 @@ def datasets() -> list[tuple[str, str]]:
 
 
 def check_names(model: str, data: str, data_path: str | None) -> None:
-    """Refuse an unknown ``--model`` or ``--data`` name before torch is imported, with the message the
-    registries give (this catalog names what they accept). ``hf:DIR`` and ``module:attr`` pass: the model
-    and data builders check those."""
+    """Refuse an unknown ``--model`` or ``--data`` name, a shape-only preset, a missing ``hf:DIR`` or a missing
+    dataset path before torch is imported, with the message the registries give (this catalog names what
+    they accept). ``module:attr`` passes: the model and data builders import and check it."""
+    if model.startswith("hf:") and not Path(model[3:]).is_dir():
+        raise ConfigError(
+            f"--model {model}: {model[3:]} is not a directory. Give a local Hugging Face model directory "
+            "(config.json and model*.safetensors); nothing is downloaded."
+        )
     if not (model.startswith("hf:") or is_import_path(model)):
         names = [n for n, _ in models()]
         if model not in names:
             raise ConfigError(f"unknown model {model!r}. {suggest(model, names)}")
+        if model in SHAPE_ONLY_PRESETS:
+            check_trainable(model, PRESETS[model])
     full = f"{data}:{data_path}" if data_path is not None else data
     names = [n for n, _ in datasets()]
     if data not in names and not is_import_path(full):
