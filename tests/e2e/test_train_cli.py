@@ -106,7 +106,7 @@ _TEXT = ("--data", "python-stdlib", "--set", "data.max_bytes=20000", "--seq-len"
             ("--model", "llama-debug", *_TEXT, "--set", "model.max_seq_len=16"),
             "--seq-len 32 exceeds model.max_seq_len=16",
         ),
-        (("--model", "llama2-7b", *_TEXT), "'llama2-7b' (6.7B parameters) is a shape-only preset"),  # refused before torch
+        (("--model", "llama2-7b", *_TEXT), "'llama2-7b' (6.7B parameters) is a shape-only preset"),
     ],
 )
 def test_bad_input_fails_before_start(

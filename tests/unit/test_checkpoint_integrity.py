@@ -241,7 +241,9 @@ def test_inspect_says_a_legacy_manifest_is_sizes_only(
     assert lines["2"].endswith("  valid")
     assert main(["ckpt", "inspect", str(tmp_path / "step_00000002")]) == 0  # one step: no "latest -> None"
     head = capsys.readouterr().out.splitlines()[0]
-    assert head.startswith(f"{tmp_path / 'step_00000002'}: one step (its directory's latest -> step_00000002;")
+    assert head.startswith(
+        f"{tmp_path / 'step_00000002'}: one step (its directory's latest -> step_00000002;"
+    )
 
 
 # ---- order: commit time, not step number ----------------------------------------------------------------------
