@@ -198,6 +198,8 @@ def test_failing_worker_is_reported_by_rank(tmp_path: Path) -> None:
         proc.stderr
     )
     assert 'boom.py", line 3, in <module>' in report, proc.stderr
+    # the rank's own traceback, as `python boom.py` prints it: no frame of paratrain's runner or of runpy
+    assert "script_runner.py" not in proc.stderr and "runpy" not in proc.stderr, proc.stderr
     # the same module run as `launch -m boom` (the current directory importable, as under python -m)
     proc = run_cli("launch", "--nproc-per-node", "2", "-m", "boom", cwd=tmp_path, check=False)
     report = proc.stderr[proc.stderr.index("paratrain launch: ") :]

@@ -34,7 +34,15 @@ def main() -> None:
         raise
     except BaseException as e:
         raised_at = time.time()
-        traceback.print_exc()
+        # as `python SCRIPT` prints it: from the script's first frame, without this runner's and runpy's
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in (
+            __file__,
+            runpy.__file__,
+            "<frozen runpy>",
+        ):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb or e.__traceback__)
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if path and not os.path.exists(path):  # a script's own record_errors wrote it already
             from paratrain.runtime import _write_error_file
