@@ -1,7 +1,7 @@
 """Step time: compute at a fraction of peak, the pipeline bubble, and the communication that is not hidden.
 
-**FLOPs** (Kaplan et al. 2020; Chowdhery et al. 2022, PaLM appendix B: "6·N +
-the attention term"): a transformer costs, per token, forward + backward,
+**FLOPs** (Kaplan et al. 2020; Chowdhery et al. 2022, PaLM appendix B; 6·N plus
+the attention term): a transformer costs, per token, forward + backward,
 
     6·N + 12·L·h·s
 
