@@ -110,6 +110,8 @@ def _model_spec(model: nn.Module) -> ModelSpec:
     """The model's spec, refused unless it can cut the model into stages."""
     spec = spec_of(model)
     if spec is None or spec.pipeline_split is None or spec.stage_blocks is None:
+        if spec is not None and spec.check_pipeline is not None:
+            spec.check_pipeline(model, 0)  # a family that cannot be split may refuse in its own words
         family = f" (model family {spec.family!r})" if spec is not None else ""
         raise ConfigError(
             f"pipeline parallelism needs a model that can be split into stages; {type(model).__name__}{family} "
