@@ -69,3 +69,22 @@ def test_meta_build_computes_buffers_the_model_initialises(tmp_path: Path) -> No
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (model(ids) - reference_logits(d, ids)).abs().max().item() <= 1e-5
+
+
+def test_tokenizer_files_without_tokenizer_json_are_warned_about(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory with only a slow tokenizer (tokenizer.model) falls back to bytes, and says so."""
+    from types import SimpleNamespace
+
+    from paratrain.launch.train_job import use_model_tokenizer
+
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(name=f"hf:{tmp_path}"), data=SimpleNamespace(tokenizer="byte")
+    )
+    use_model_tokenizer(cfg)  # type: ignore[arg-type]
+    assert cfg.data.tokenizer == "byte" and "no tokenizer.json" in capsys.readouterr().err
+    (tmp_path / "tokenizer.json").write_text("{}")
+    use_model_tokenizer(cfg)  # type: ignore[arg-type]
+    assert cfg.data.tokenizer == f"hf:{tmp_path}"
