@@ -178,18 +178,13 @@ def _num_layers(model: nn.Module) -> int:
 
 
 def check_pipeline(model: nn.Module, num_stages: int) -> None:
-    """Every stage needs a whole layer; a tied embedding and head cannot live on two stages."""
+    """Every stage needs a whole layer. A tied embedding and head is held by the first and the last stage's
+    ranks, which sum its two gradients (:mod:`paratrain.parallel.pipeline`)."""
     n = _num_layers(model)
     if num_stages > n:
         raise ConfigError(
             f"the pipeline has {num_stages} stages but {architecture(model)} has {n} layers: every stage needs at "
             "least one. Lower --pp."
-        )
-    if num_stages > 1 and _tied(model):
-        raise ConfigError(
-            f"{architecture(model)} ties its input embedding and its head (tie_word_embeddings=true): one matrix "
-            "cannot live on the first and the last pipeline stage. Use a data-parallel strategy (ddp, zero3, "
-            "hsdp) or tp for this model."
         )
 
 
