@@ -19,7 +19,7 @@ TEXT = (
 
 
 def config_for(arch: str, **over: Any) -> Any:
-    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt); dropout off."""
+    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt, gemma); dropout off."""
     import transformers as tf
 
     common = {"vocab_size": VOCAB, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
@@ -28,6 +28,12 @@ def config_for(arch: str, **over: Any) -> Any:
               "max_position_embeddings": 128, "word_embed_proj_dim": 32, "dropout": 0.0, **common}  # fmt: skip
         kw.update(over)
         return tf.OPTConfig(**kw)
+    if arch == "gemma":  # no tensor-parallel plan; a computed embedding-scale buffer without a config
+        kw = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128, "pad_token_id": 0,
+              **common}  # fmt: skip
+        kw.update(over)
+        return tf.GemmaConfig(**kw)
     if arch == "gpt2":
         kw = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128, "resid_pdrop": 0.0,
               "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}  # fmt: skip

@@ -224,7 +224,8 @@ def _check(cases: list[tuple[str, str, dict[str, Any]]], per_rank: list[list[dic
 
 
 class _Dirs(dict):  # type: ignore[type-arg]
-    """Tiny model directories made on first use (``mistral4``: 4 layers, for the interleaved schedule)."""
+    """Tiny model directories made on first use (``mistral4``: 4 layers, for the interleaved schedule;
+    ``gpt2_tied``: the embedding and the head tied)."""
 
     def __init__(self, root: Path) -> None:
         super().__init__()
@@ -234,6 +235,8 @@ class _Dirs(dict):  # type: ignore[type-arg]
         from tests._hf_models import make_hf_dir
 
         arch, over = (name[:-1], {"num_hidden_layers": 4}) if name.endswith("4") else (name, {})
+        if name.endswith("_tied"):  # one matrix for the input embedding and the head
+            arch, over = name[: -len("_tied")], {"tie_word_embeddings": True}
         self[name] = make_hf_dir(self.root / name, arch, **over)
         return self[name]
 
@@ -248,7 +251,7 @@ def test_hf_strategies_match_transformers_at_2_ranks(
     dist_run: Any, hf_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     """The default tier: ddp, zero3 (Llama and GPT-2), tp (Llama; GPT-2's fused q/k/v; Qwen3's per-head
-    norms under fsdp+tp) and pp on Llama, one spawn."""
+    norms under fsdp+tp) and pp on Llama and on a tied GPT-2, one spawn."""
     llama, gpt2 = str(hf_dirs["llama"]), str(hf_dirs["gpt2"])
     cases = [
         (llama, "ddp", {}),
@@ -258,6 +261,8 @@ def test_hf_strategies_match_transformers_at_2_ranks(
         (gpt2, "tp", {}),
         (str(hf_dirs["qwen3"]), "fsdp+tp", {"tp": 2}),
         (llama, "pp", {"pp_schedule": "gpipe"}),
+        # tied: the first and the last stage's ranks each hold the matrix and sum its two gradients
+        (str(hf_dirs["gpt2_tied"]), "pp", {"pp_schedule": "1f1b", "microbatches": 2}),
     ]
     # and a checkpoint: GPT-2 under fsdp+tp (tp 2; c_attn whole per rank) trains 2 steps and saves, one process
     # loads it and trains 2 more: the 4-step reference's losses and parameters
@@ -318,6 +323,7 @@ def test_hf_strategies_match_transformers_at_4_ranks(dist_run: Any, hf_dirs: dic
         (gpt2, "fsdp+tp", {"tp": 2}),
         (str(hf_dirs["qwen2"]), "fsdp+pp", {"pp": 2, "pp_schedule": "1f1b"}),
         (gpt2, "fsdp+pp", {"pp": 2, "pp_schedule": "gpipe"}),
+        (str(hf_dirs["llama_tied"]), "fsdp+pp", {"pp": 2, "pp_schedule": "1f1b"}),
     ]
     per_rank = dist_run(_all_cases, 4, cases, timeout_s=390)
     _check(cases, per_rank)

@@ -74,6 +74,10 @@ def test_model_parallel_refusals_name_the_model(hf_root: Path, capsys: Any, monk
         hf_root, "opt", "--strategy", "tp", "--nproc-per-node", "2", capsys=capsys, monkeypatch=monkeypatch
     )
     assert "tensor parallelism (strategy tp" in err and "OPTForCausalLM" in err
+    err = _refused(
+        hf_root, "opt", "--strategy", "pp", "--nproc-per-node", "2", capsys=capsys, monkeypatch=monkeypatch
+    )
+    assert "pipeline parallelism (strategy pp" in err and "OPTForCausalLM" in err
     # 4 query heads, 2 key/value heads: --tp 4 cannot give each rank whole heads
     err = _refused(
         hf_root, "llama", "--strategy", "tp", "--nproc-per-node", "4", capsys=capsys, monkeypatch=monkeypatch

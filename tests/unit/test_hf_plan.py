@@ -14,16 +14,29 @@ from paratrain.plan.hf_config import hf_config_path, shape_from_hf_config
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
-def test_parameter_count_equals_transformers(tmp_path: Path, arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "over"),
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+        ("mistral", {"head_dim": 16}),  # an explicit head_dim (Mistral Nemo): q/o are 4 x 16 wide, not 32
+        ("qwen2", {}),  # q/k/v biases
+        ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),  # q/k norms over head_dim
+        ("gpt2", {"tie_word_embeddings": True}),
+        ("gpt2", {"tie_word_embeddings": False}),
+    ],
+)
+def test_parameter_count_equals_transformers(tmp_path: Path, arch: str, over: dict[str, object]) -> None:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from tests._hf_models import config_for
 
-    cfg = config_for(arch, tie_word_embeddings=arch == "gpt2")
+    cfg = config_for(arch, **over)
     cfg.save_pretrained(str(tmp_path))
     shape = shape_from_hf_config(hf_config_path(f"hf:{tmp_path}"))  # type: ignore[arg-type]
-    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
     assert shape.num_params() == sum(p.numel() for p in model.parameters())
 
 

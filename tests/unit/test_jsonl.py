@@ -24,7 +24,19 @@ def test_bad_records_are_reported_with_file_and_line(tmp_path: Path) -> None:
     for where in ("a.jsonl:3: no 'text' field (keys: txt)", "a.jsonl:4: not JSON", "b.jsonl:1: empty 'completion'",
                   "b.jsonl:2: a JSON list", "b.jsonl:3: 'text' is empty"):  # fmt: skip
         assert where in msg, msg
+    # a .json file may hold one JSON array of records, beside JSON-lines files; its bad ones are named file[i]
     (d / "b.jsonl").unlink()
+    (d / "c.json").write_text('[{"text": "one"},\n {"prompt": "q", "completion": "a"},\n {"txt": 1}]')
+    (d / "a.jsonl").write_text('{"text": "fine"}\n')
+    with pytest.raises(ConfigError, match=r"1 bad record\(s\): c.json\[2\]: no 'text' field"):
+        read_records(str(d))
+    (d / "c.json").write_text('[{"text": "one"}, {"prompt": "q", "completion": "a"}]')
+    assert read_records(str(d)) == [
+        ("a.jsonl:1", None, "fine"),
+        ("c.json[0]", None, "one"),
+        ("c.json[1]", "q", "a"),
+    ]
+    (d / "c.json").unlink()
     (d / "a.jsonl").write_text('{"body": "x"}\n')
     assert read_records(str(d), text_field="body") == [("a.jsonl:1", None, "x")]
     with pytest.raises(ConfigError, match="no such file"):

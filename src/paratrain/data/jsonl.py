@@ -1,7 +1,7 @@
 """``--data jsonl:PATH``: records of text, or prompt/completion pairs, for language-model fine-tuning.
 
 ``PATH`` is one ``.jsonl``/``.json`` file or a directory of them (recursively, sorted by relative path). Each
-line is one JSON object with either a text field (``text``; another name with ``--set data.text_field=NAME``)
+line is one JSON object (a ``.json`` file may instead hold one JSON array of them) with either a text field (``text``; another name with ``--set data.text_field=NAME``)
 or a ``prompt`` and a ``completion``. Every bad record (not JSON, not an object, the field missing or not a
 string, empty) is reported with its file and line, all at once, before any worker starts.
 
@@ -58,6 +58,27 @@ def _files(path: str | None) -> tuple[Path, list[Path]]:
     return p, files
 
 
+def _entries(f: Path, rel: Path) -> list[tuple[str, object]]:
+    """``(where, parsed object or a JSONDecodeError)`` of each record of ``f``: one per non-blank line, or,
+    for a ``.json`` file holding one JSON array, one per element (``where``: ``file:line``, ``file[i]``)."""
+    text = f.read_text(encoding="utf-8", errors="replace")
+    if f.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            return [(f"{rel}:{e.lineno}", e)]
+        if isinstance(items, list):
+            return [(f"{rel}[{i}]", obj) for i, obj in enumerate(items)]
+    out: list[tuple[str, object]] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                out.append((f"{rel}:{n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                out.append((f"{rel}:{n}", e))
+    return out
+
+
 def read_records(path: str | None, text_field: str = "text") -> list[Record]:
     """Every record of ``path``; all bad records are reported in one :class:`ConfigError` (file:line)."""
     root, files = _files(path)
@@ -65,16 +86,10 @@ def read_records(path: str | None, text_field: str = "text") -> list[Record]:
     bad: list[str] = []
     for f in files:
         rel = f.relative_to(root) if f != root else Path(f.name)
-        for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-            where = f"{rel}:{n}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                bad.append(f"{where}: not JSON ({e.msg})")
-                continue
-            if not isinstance(obj, dict):
+        for where, obj in _entries(f, rel):
+            if isinstance(obj, json.JSONDecodeError):
+                bad.append(f"{where}: not JSON ({obj.msg})")
+            elif not isinstance(obj, dict):
                 bad.append(f"{where}: a JSON {type(obj).__name__}, not an object")
             elif "prompt" in obj or "completion" in obj:
                 prompt, completion = obj.get("prompt"), obj.get("completion")

@@ -170,6 +170,13 @@ def use_model_tokenizer(cfg: RunConfig) -> None:
         d = Path(name[3:]).expanduser()
         if (d / "tokenizer.json").is_file():
             cfg.data.tokenizer = f"hf:{d}"
+        elif any((d / f).is_file() for f in ("tokenizer.model", "vocab.json", "tokenizer_config.json")):
+            print(
+                f"paratrain: warning: {d} has tokenizer files but no tokenizer.json (the fast tokenizer paratrain "
+                "reads), so the data is tokenized by bytes, not by the model's tokenizer. Save it once with "
+                "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR).",
+                file=sys.stderr,
+            )
 
 
 def check_model_fits_data(model: str, dataset: str, task: str, input_shape: tuple[int, ...]) -> None:

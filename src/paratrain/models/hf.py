@@ -130,23 +130,45 @@ def check_hf_dir(d: Path) -> dict[str, Any]:
 
 # ---- the module -------------------------------------------------------------------------------------------
 def _real_buffers(model: nn.Module) -> None:
-    """A model built on the meta device gets its computed buffers (rotary ``inv_freq`` tables) back: each
-    module holding a meta buffer is built once more, alone, on the CPU from its config, and its buffers are
-    taken (small: a few numbers per head dimension). The weights stay on the meta device."""
+    """A model built on the meta device gets its computed buffers (rotary ``inv_freq`` tables, Gemma's
+    embedding scale) back; the weights stay on the meta device. A module with a config (the rotary
+    embeddings) is built once more, alone, on the CPU and its buffers are taken (small: a few numbers per head
+    dimension); any other gets CPU buffers filled by the model's own ``_init_weights`` (how ``transformers``
+    sets the non-persistent buffers of a model it built on the meta device)."""
     for name, m in model.named_modules():
         if not any(b.device.type == "meta" for b in m.buffers(recurse=False)):
             continue
         config = getattr(m, "config", None)
         if config is None:
-            raise ConfigError(
-                f"{type(model).__name__}: the module {name} ({type(m).__name__}) has computed buffers and no "
-                "config to compute them from on a real device; paratrain cannot build this model on the meta "
-                "device."
-            )
+            _init_buffers(model, name, m)
+            continue
         with torch.device("cpu"):
             fresh = type(m)(config)
         for key, buf in fresh.named_buffers(recurse=False):
             m._buffers[key] = buf
+
+
+def _init_buffers(model: nn.Module, name: str, m: nn.Module) -> None:
+    """``m``'s meta buffers as CPU tensors set by ``model._init_weights(m)`` (floating ones start as NaN, so a
+    buffer it does not set is caught, not trained with)."""
+    meta = [k for k, b in m._buffers.items() if b is not None and b.device.type == "meta"]
+    for k in meta:
+        b = m._buffers[k]
+        assert b is not None
+        m._buffers[k] = torch.full_like(b, float("nan") if b.is_floating_point() else 0, device="cpu")
+    init = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        if init is not None:
+            init(m)
+    unset = [
+        k for k in meta if (b := m._buffers[k]) is not None and b.is_floating_point() and b.isnan().any()
+    ]
+    if init is None or unset:
+        raise ConfigError(
+            f"{type(model).__name__}: the module {name} ({type(m).__name__}) has computed buffers "
+            f"({', '.join(unset or meta)}) that neither its config nor the model's _init_weights computes on a "
+            "real device; paratrain cannot build this model on the meta device."
+        )
 
 
 _LOGITS_CLASSES: dict[type, type] = {}
@@ -264,7 +286,7 @@ def hf_spec(model: nn.Module) -> ModelSpec:
     tp_fields: dict[str, Any] = {"check_tp": hf_parallel.refuse_tp}
     if arch in TP_ARCHITECTURES:
         tp_fields = {"tp_plan": hf_parallel.tp_plan, "check_tp": hf_parallel.check_tp}
-    pp_fields: dict[str, Any] = {}
+    pp_fields: dict[str, Any] = {"check_pipeline": hf_parallel.refuse_pp}
     if arch in PP_ARCHITECTURES:
         pp_fields = {
             "pipeline_split": hf_parallel.pipeline_split,

@@ -31,7 +31,15 @@ from paratrain.models.hf_arch import architecture, decoder_layers
 from paratrain.models.hf_tp import Conv1DColwise, Conv1DRowwise, GPT2FusedQKV, GradAllReduce
 from paratrain.models.llama_parallel import split_layers
 
-__all__ = ["check_pipeline", "check_tp", "pipeline_split", "refuse_tp", "stage_blocks", "tp_plan"]
+__all__ = [
+    "check_pipeline",
+    "check_tp",
+    "pipeline_split",
+    "refuse_pp",
+    "refuse_tp",
+    "stage_blocks",
+    "tp_plan",
+]
 
 
 def _heads(config: Any) -> tuple[int, int, int]:
@@ -79,6 +87,17 @@ def refuse_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
         "data-parallel strategy (ddp, zero1/2/3, hsdp)"
         + (", pp or fsdp+pp" if _can_pipeline(model) else "")
         + " for this model."
+    )
+
+
+def refuse_pp(model: nn.Module, num_stages: int) -> None:
+    """Pipeline parallelism of an architecture without a stage split here: refused, naming both."""
+    from paratrain.models.hf_arch import PP_ARCHITECTURES
+
+    raise ConfigError(
+        f"pipeline parallelism (strategy pp, fsdp+pp or fsdp+tp+pp) is not supported for {architecture(model)}: "
+        f"paratrain splits {', '.join(PP_ARCHITECTURES)} into stages. Use a data-parallel strategy (ddp, "
+        "zero1/2/3, hsdp) for this model."
     )
 
 
@@ -159,18 +178,13 @@ def _num_layers(model: nn.Module) -> int:
 
 
 def check_pipeline(model: nn.Module, num_stages: int) -> None:
-    """Every stage needs a whole layer; a tied embedding and head cannot live on two stages."""
+    """Every stage needs a whole layer. A tied embedding and head is held by the first and the last stage's
+    ranks, which sum its two gradients (:mod:`paratrain.parallel.pipeline`)."""
     n = _num_layers(model)
     if num_stages > n:
         raise ConfigError(
             f"the pipeline has {num_stages} stages but {architecture(model)} has {n} layers: every stage needs at "
             "least one. Lower --pp."
-        )
-    if num_stages > 1 and _tied(model):
-        raise ConfigError(
-            f"{architecture(model)} ties its input embedding and its head (tie_word_embeddings=true): one matrix "
-            "cannot live on the first and the last pipeline stage. Use a data-parallel strategy (ddp, zero3, "
-            "hsdp) or tp for this model."
         )
 
 

@@ -68,13 +68,17 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 b.copy_(saved[n])
 
 
-def load_state_dict_from_hf(state_dict: dict[str, Any], d: Path) -> None:
+def load_state_dict_from_hf(
+    state_dict: dict[str, Any], d: Path, tied_keys: dict[str, str] | None = None
+) -> None:
     """Fill ``state_dict`` (tensors or DTensors, in place) from the safetensors files of ``d``; collective
-    when a process group is up. A key the files lack is refused, except a tied copy of a present tensor."""
+    when a process group is up. A key the files lack is refused, except a tied copy of a present tensor
+    (``tied_keys``: ``{head name: embedding name}`` of a model that ties them)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     have = checkpoint_keys(d)
+    tied_keys = tied_keys or {}
     storages: dict[int, str] = {}
     target: dict[str, Any] = {}
     missing = []
@@ -86,7 +90,15 @@ def load_state_dict_from_hf(state_dict: dict[str, Any], d: Path) -> None:
             storages.setdefault(ptr, key)
         else:
             missing.append((key, ptr))
-    # a tied head (lm_head.weight = embed_tokens.weight) is saved once: its storage was filled above
+    # a tied head (lm_head.weight = embed_tokens.weight) is saved once: its storage was filled above, or, on
+    # a pipeline rank that holds the head and not the embedding, it is read from the embedding's name
+    aliases = {a: b for b, a in tied_keys.items()} | tied_keys
+    for key, ptr in list(missing):
+        alias = aliases.get(key)
+        if (ptr == -1 or ptr not in storages) and alias in have and alias not in target:
+            target[alias] = state_dict[key]
+            storages.setdefault(ptr, alias)
+            missing.remove((key, ptr))
     unresolved = [k for k, ptr in missing if ptr == -1 or ptr not in storages]
     if unresolved:
         raise ConfigError(
@@ -105,5 +117,14 @@ def materialize_and_load(model: nn.Module, device: torch.device) -> None:
     if d is None:
         return
     sd = {_canonical(k): v for k, v in model.state_dict().items()}
-    load_state_dict_from_hf(sd, Path(d))
+    load_state_dict_from_hf(sd, Path(d), _tied_keys(model))
     object.__setattr__(model, DIR_ATTR, None)
+
+
+def _tied_keys(model: nn.Module) -> dict[str, str]:
+    """``{output embedding name: input embedding name}`` when the model ties them (``transformers``'
+    ``_tied_weights_keys``), else ``{}``."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    keys = getattr(model, "_tied_weights_keys", None)
+    return {str(k): str(v) for k, v in keys.items()} if isinstance(keys, dict) else {}

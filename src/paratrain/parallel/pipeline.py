@@ -106,10 +106,41 @@ def _drop_other_stages(optimizer: Any, names: dict[int, str], model: nn.Module) 
     return clone_optimizer(optimizer, groups)
 
 
+def _first_and_last(model: nn.Module, split: Any, num_stages: int) -> list[frozenset[str]]:
+    """The parameters that the first and the last stage both use (a tied embedding and head), each as the
+    set of its names, in the model's order."""
+    if num_stages < 2:
+        return []
+    first = {id(p) for p in split(model, num_stages, 0).parameters()}
+    last = {id(p) for p in split(model, num_stages, num_stages - 1).parameters()}
+    names: dict[int, set[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first and id(p) in last:
+            names.setdefault(id(p), set()).add(canonical_name(n))
+    return [frozenset(v) for v in names.values()]
+
+
+def _drop_foreign_owners(model: nn.Module, owned: set[int]) -> None:
+    """Remove the modules outside this rank's stages that still hold one of its parameters (the first
+    stage's rank drops the tied head, the last's the tied embedding): FSDP2 replaces a parameter only on
+    the modules of the stage it wraps, so a second owner would keep a stale copy."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if child is None or any(id(m) in owned for m in child.modules()):
+                continue
+            if any(True for _ in child.parameters()):
+                if isinstance(parent, nn.ModuleDict):
+                    del parent[name]
+                else:
+                    setattr(parent, name, None)
+
+
 def _model_spec(model: nn.Module) -> ModelSpec:
     """The model's spec, refused unless it can cut the model into stages."""
     spec = spec_of(model)
     if spec is None or spec.pipeline_split is None or spec.stage_blocks is None:
+        if spec is not None and spec.check_pipeline is not None:
+            spec.check_pipeline(model, 0)  # a family that cannot be split may refuse in its own words
         family = f" (model family {spec.family!r})" if spec is not None else ""
         raise ConfigError(
             f"pipeline parallelism needs a model that can be split into stages; {type(model).__name__}{family} "
@@ -137,6 +168,9 @@ class _Pipeline(ModelParallel):
         self._schedule: Any = None
         self._eval_group: Any = None
         self._schedule_key: tuple[Any, ...] | None = None
+        self.tied: list[frozenset[str]] = []
+        """Parameters of both the first and the last stage (a tied input embedding and output head), each as
+        the set of its names (the first stage's rank keeps it under the embedding, the last's under the head)."""
 
     @classmethod
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
@@ -162,8 +196,12 @@ class _Pipeline(ModelParallel):
         order = [canonical_name(n) for n, _ in model.named_parameters()]
         # names of every parameter before pruning: an optimizer over the full model drops the others in wrap()
         self._names_before_tp.update(parameter_names(model))
-        keep = {id(p) for s in self.owned for p in split(model, self.num_stages, s).parameters()}
+        chunks = [split(model, self.num_stages, s) for s in self.owned]
+        keep = {id(p) for c in chunks for p in c.parameters()}
+        self.tied = _first_and_last(model, split, self.num_stages)
         retain_parameters(model, keep)
+        if self.tied:  # a tied matrix stays only under the owned stages' module (the embedding or the head)
+            _drop_foreign_owners(model, {id(m) for c in chunks for m in c.modules()})
         setattr(model, PARAM_ORDER_ATTR, order)
         c = self.topology.coordinates(self.ctx.rank) if self.ctx.world_size > 1 else {}
         setattr(model, SENDER_ATTR, all(c.get(a, 0) == 0 for a in ("dp_replicate", "dp_shard", "tp")))
@@ -178,6 +216,10 @@ class _Pipeline(ModelParallel):
         split = _split_fn(model)
         self.chunks = [split(model, self.num_stages, s) for s in self.owned]
         names = self.parameter_names(model)
+        present = {canonical_name(n) for n, _ in model.named_parameters()}
+        for aliases in self.tied:  # a tied matrix goes by the name it has on this rank (embedding or head)
+            here = next((n for n in sorted(aliases) if n in present), None)
+            names = {k: here if here is not None and v in aliases else v for k, v in names.items()}
         if self.uses_fsdp:
             stage_blocks = _model_spec(model).stage_blocks
             assert stage_blocks is not None
@@ -246,6 +288,7 @@ class _Pipeline(ModelParallel):
                     schedule.step(*args)
             for loss in losses:  # each already divided by m * micro_batches: the sum is the step's mean
                 total += to_local(loss.detach()).float()
+        self._sum_tied_grads(model)
         if self.mesh is not None and self.topology.pp > 1:
             group = self.group("pp")
             dist.broadcast(total, src=dist.get_global_rank(group, self.topology.pp - 1), group=group)
@@ -255,9 +298,50 @@ class _Pipeline(ModelParallel):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # forward_backward handles accumulation itself
 
+    def _tied_params(self, model: nn.Module) -> list[nn.Parameter]:
+        by_name = {canonical_name(n): p for n, p in model.named_parameters()}
+        return [next(by_name[n] for n in names if n in by_name) for names in self.tied]
+
+    def _sum_tied_grads(self, model: nn.Module) -> None:
+        """A matrix of the first and the last stage (a tied embedding and head) is held by both ranks, each
+        with the gradient of its own use: they swap and add them, so both hold the whole gradient and apply
+        the same update (the copies stay equal, as one tied matrix would)."""
+        if not self.tied or self.mesh is None or self.topology.pp < 2 or self.has_first == self.has_last:
+            return
+        group = self.group("pp")
+        peer = dist.get_global_rank(group, self.topology.pp - 1 if self.has_first else 0)
+        for p in self._tied_params(model):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local = to_local(p.grad)
+            mine, other = (
+                local.contiguous().clone(),
+                torch.empty_like(local, memory_format=torch.contiguous_format),
+            )
+            if self.has_first:
+                dist.send(mine, peer, group=group)
+                dist.recv(other, peer, group=group)
+            else:
+                dist.recv(other, peer, group=group)
+                dist.send(mine, peer, group=group)
+            with torch.no_grad():
+                local.add_(other)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The global norm over the stages (``pp``), a tied matrix counted once (on the first stage's rank);
+        the last stage's copy takes the same coefficient."""
         group = self.group("pp") if self.mesh is not None and self.topology.pp > 1 else None
-        return clip_grad_norm(model.parameters(), max_norm, self.ctx.device, extra_group=group)
+        copies = self._tied_params(model) if self.has_last and not self.has_first else []
+        skip = {id(p) for p in copies}
+        params = [p for p in model.parameters() if id(p) not in skip]
+        norm = clip_grad_norm(params, max_norm, self.ctx.device, extra_group=group)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for p in copies:
+                if p.grad is not None:
+                    local = to_local(p.grad)
+                    local.mul_(coef.to(local.device, local.dtype))
+        return norm
 
     def evaluate_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
         """Run the stages in order: each receives its input from the previous stage's rank and sends its

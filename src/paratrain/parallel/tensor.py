@@ -159,9 +159,9 @@ class ModelParallel(Strategy):
 
         assert self.mesh is not None
         self.check_experts_tp(model)
-        plan = model_tp_plan(model, self.config, self.user_tp_plan)
-        if self.user_tp_plan is None:
+        if self.user_tp_plan is None:  # first: a family without a plan refuses in its own words
             check_model_tp(model, self.topology.tp)
+        plan = model_tp_plan(model, self.config, self.user_tp_plan)
         # parallelize_module swaps parameters for DTensors: remember the names of the originals, so that an
         # optimizer built before (paratrain.setup) can be rebound by name in wrap()
         self._names_before_tp.update(parameter_names(model))
@@ -211,7 +211,6 @@ class ModelParallel(Strategy):
 
 
 class _TensorParallel(ModelParallel):
-
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
         model = to_device(model, self.ctx.device)
         names = self.parameter_names(model)

@@ -4,9 +4,10 @@ No weights, no ``transformers``, no torch: the JSON is read here and mapped onto
 :class:`~paratrain.plan.model.TransformerShape`, so a Llama 3 405B or any other published dense decoder can
 be planned on a laptop. Llama, Qwen2/Qwen3 and Mistral map to ``arch="llama"`` (RMSNorm, SwiGLU MLP of
 ``intermediate_size``, grouped-query attention, rotary positions); GPT-2 to ``arch="gpt"`` (LayerNorm, GeLU
-MLP of ``n_inner`` or 4·``n_embd``, biases, learned positions, tied head). What the shape does not model is
-small: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, and a ``head_dim`` other than ``hidden / heads``
-is counted as ``hidden / heads``.
+MLP of ``n_inner`` or 4·``n_embd``, biases, learned positions, head tied unless ``tie_word_embeddings`` is
+false). The parameter count is ``transformers``' exactly: an explicit ``head_dim`` (Qwen3, Mistral Nemo) sets
+the attention width, and Qwen2's q/k/v biases, Llama's ``attention_bias``/``mlp_bias`` and Qwen3's per-head
+q/k norms are counted per layer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ConfigError
-from paratrain.plan.model import TransformerShape
+from paratrain.plan.model import ParamGroup, TransformerShape
 
 __all__ = ["LLAMA_LIKE", "hf_config_path", "shape_from_hf_config"]
 
@@ -62,20 +63,43 @@ def shape_from_hf_config(path: Path) -> TransformerShape:
         return TransformerShape(
             dim=dim, n_layers=int(cfg["n_layer"]), n_heads=int(cfg["n_head"]), n_kv_heads=int(cfg["n_head"]),
             ffn_hidden=int(cfg.get("n_inner") or 4 * dim), vocab_size=int(cfg["vocab_size"]),
-            max_seq_len=int(cfg.get("n_positions") or 1024), arch="gpt", tied_embeddings=True,
+            max_seq_len=int(cfg.get("n_positions") or 1024), arch="gpt",
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )  # fmt: skip
     if kind not in LLAMA_LIKE:
         raise ConfigError(
             f"{path}: model_type {kind!r} is not one the planner models from a config (dense "
             f"{', '.join(LLAMA_LIKE)} and gpt2). Plan it with --params N (states only)."
         )
-    heads = int(cfg["num_attention_heads"])
     try:
+        heads, dim = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        kv, ffn = int(_get(cfg, "num_key_value_heads") or heads), int(cfg["intermediate_size"])
+        head_dim = int(_get(cfg, "head_dim") or dim // heads)
         return TransformerShape(
-            dim=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(_get(cfg, "num_key_value_heads") or heads), ffn_hidden=int(cfg["intermediate_size"]),
+            dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn,
             vocab_size=int(cfg["vocab_size"]), max_seq_len=int(_get(cfg, "max_position_embeddings") or 4096),
             arch="llama", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_head_dim=head_dim if head_dim * heads != dim else 0,
+            layer_extra=_layer_extra(kind, cfg, dim, heads * head_dim, kv * head_dim, head_dim, ffn),
         )  # fmt: skip
     except KeyError as e:
         raise ConfigError(f"{path}: the config has no {e.args[0]!r}, which the shape needs.") from None
+
+
+def _layer_extra(
+    kind: str, cfg: dict[str, Any], h: int, q: int, kv: int, head_dim: int, ffn: int
+) -> ParamGroup:
+    """The parameters of one layer beyond the bias-free Llama formula, as ``transformers`` builds them:
+    Qwen2 always has q/k/v biases; Llama and Qwen3 have q/k/v/o biases with ``attention_bias`` and Llama
+    gate/up/down biases with ``mlp_bias``; Qwen3 has an RMSNorm over ``head_dim`` for q and one for k.
+    Biases of column-split layers are split over tp, the rest replicated."""
+    extra = ParamGroup()
+    if kind == "qwen2" or (kind in ("llama", "qwen3") and cfg.get("attention_bias")):
+        extra += ParamGroup(sharded=q + 2 * kv)
+        if kind != "qwen2":
+            extra += ParamGroup(replicated=h)
+    if kind == "llama" and cfg.get("mlp_bias"):
+        extra += ParamGroup(sharded=2 * ffn, replicated=h)
+    if kind == "qwen3":
+        extra += ParamGroup(replicated=2 * head_dim)
+    return extra

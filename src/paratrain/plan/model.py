@@ -46,7 +46,8 @@ class ParamGroup:
 class TransformerShape:
     """A decoder's shape. ``arch="llama"``: RMSNorm, SwiGLU MLP of ``ffn_hidden``, GQA, RoPE, no biases, no
     dropout. ``arch="gpt"``: LayerNorm, GeLU MLP of ``ffn_hidden`` (4·dim), biases, dropout, learned positions,
-    tied output (GPT-3; Korthikanti et al.'s reference model)."""
+    the output tied to the token embedding when ``tied_embeddings`` (GPT-3; Korthikanti et al.'s reference
+    model)."""
 
     dim: int
     n_layers: int
@@ -57,13 +58,19 @@ class TransformerShape:
     max_seq_len: int
     arch: str = "llama"
     tied_embeddings: bool = False
+    attn_head_dim: int = 0
+    """The width of one attention head where a config sets it apart from ``dim / n_heads`` (Qwen3, Mistral
+    Nemo); 0: ``dim / n_heads``."""
+    layer_extra: ParamGroup = field(default_factory=ParamGroup)
+    """Per-layer parameters beyond the arch's formula (Hugging Face configs: q/k/v/o or MLP biases, Qwen3's
+    per-head q/k norms), so that a config's count is exact."""
 
     def __post_init__(self) -> None:
         for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"model shape: {f} must be a positive integer, got {v!r}.")
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+        if (self.dim % self.n_heads and not self.attn_head_dim) or self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model shape: dim {self.dim} must divide by n_heads {self.n_heads}, and n_heads by n_kv_heads "
                 f"{self.n_kv_heads}."
@@ -73,19 +80,19 @@ class TransformerShape:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
     def layer(self) -> ParamGroup:
-        h, kv, f = self.dim, self.kv_dim, self.ffn_hidden
+        h, kv, f, q = self.dim, self.kv_dim, self.ffn_hidden, self.n_heads * self.head_dim
         if self.arch == "gpt":  # qkv (+bias), proj (+bias), fc1 (+bias), fc2 (+bias), 2 LayerNorms (w, b)
-            return ParamGroup(sharded=3 * h * h + h * h + 2 * h * f + 3 * h + f, replicated=h + h + 4 * h)
-        return ParamGroup(
-            sharded=2 * h * h + 2 * h * kv + 3 * h * f, replicated=2 * h
-        )  # wq wo wk wv w1 w2 w3
+            base = ParamGroup(sharded=3 * h * h + h * h + 2 * h * f + 3 * h + f, replicated=h + h + 4 * h)
+        else:  # wq wo wk wv w1 w2 w3, 2 RMSNorms
+            base = ParamGroup(sharded=2 * h * q + 2 * h * kv + 3 * h * f, replicated=2 * h)
+        return base + self.layer_extra
 
     def embedding(self) -> ParamGroup:
         pos = self.max_seq_len * self.dim if self.arch == "gpt" else 0
@@ -93,7 +100,7 @@ class TransformerShape:
 
     def head(self) -> ParamGroup:
         norm = 2 * self.dim if self.arch == "gpt" else self.dim
-        out = 0 if self.tied_embeddings or self.arch == "gpt" else self.vocab_size * self.dim
+        out = 0 if self.tied_embeddings else self.vocab_size * self.dim
         return ParamGroup(sharded=out, replicated=norm)
 
     def num_params(self) -> int:
@@ -133,7 +140,9 @@ FALLBACK_SHAPES: dict[str, TransformerShape] = {
     "llama2-70b": TransformerShape(8192, 80, 64, 8, 28672, 32000, 4096),
     "llama3-8b": TransformerShape(4096, 32, 32, 8, 14336, 128256, 8192),
     "llama3-70b": TransformerShape(8192, 80, 64, 8, 28672, 128256, 8192),
-    "gpt3-175b": TransformerShape(12288, 96, 96, 96, 4 * 12288, 50257, 2048, arch="gpt"),
+    "gpt3-175b": TransformerShape(
+        12288, 96, 96, 96, 4 * 12288, 50257, 2048, arch="gpt", tied_embeddings=True
+    ),
 }
 
 
@@ -170,8 +179,9 @@ class ModelSpec:
         tied, and but the experts a token is not routed to."""
         if self.shape is None:
             return self.num_params - self.inactive_params
-        if self.shape.arch == "gpt":  # tied output: only the learned positions are a pure lookup
-            return self.num_params - self.shape.max_seq_len * self.shape.dim
+        if self.shape.arch == "gpt":  # learned positions (and an untied token embedding) are pure lookups
+            untied = 0 if self.shape.tied_embeddings else self.shape.vocab_size * self.shape.dim
+            return self.num_params - self.shape.max_seq_len * self.shape.dim - untied
         embedding = 0 if self.shape.tied_embeddings else self.first.total
         return self.num_params - embedding - self.inactive_params
 
