@@ -9,7 +9,7 @@ import torch
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
 def test_greedy_generate_equals_transformers(tmp_path: Path, arch: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -18,6 +18,9 @@ def test_greedy_generate_equals_transformers(tmp_path: Path, arch: str) -> None:
 
     d = make_hf_dir(tmp_path / arch, arch, seed=7)
     out = generate(None, "the quick brown", 12, 0.0, None, 0, model_name=f"hf:{d}")
+    assert out["kv_cache"] is True  # the model's own cache, one position per token after the prompt
+    recomputed = generate(None, "the quick brown", 12, 0.0, None, 0, model_name=f"hf:{d}", kv_cache=False)
+    assert recomputed["kv_cache"] is False and recomputed["token_ids"] == out["token_ids"]
     assert out["prompt_ids"][0] == 1  # the model's BOS
     ref = AutoModelForCausalLM.from_pretrained(str(d)).eval()
     with torch.no_grad():

@@ -186,6 +186,13 @@ def _logits_class(cls: type) -> type:
     return _LOGITS_CLASSES[cls]
 
 
+def cached_forward(model: nn.Module) -> Any:
+    """The ``transformers`` class's own ``forward`` of an hf model (the one that takes ``past_key_values`` and
+    returns the cache), for incremental decoding; ``None`` for any other model."""
+    base = next((b for b in type(model).__mro__[1:] if _LOGITS_CLASSES.get(b) is type(model)), None)
+    return None if base is None else base.forward
+
+
 def load_config(d: Path) -> Any:
     """The ``transformers`` config of ``d`` (local files only), prepared for training: no KV cache, SDPA."""
     from transformers import AutoConfig

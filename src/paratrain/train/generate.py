@@ -14,6 +14,7 @@ starts with the model's BOS, and sampling stops after the EOS, as ``transformers
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import time
@@ -30,6 +31,7 @@ from paratrain.config import RunConfig
 from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, is_language_model
+from paratrain.models.hf import cached_forward
 from paratrain.models.llama import Llama
 from paratrain.models.llama_decode import forward_cached
 
@@ -55,8 +57,9 @@ def set_threads(num_params: int) -> int:
 
 def _next_logits(model: torch.nn.Module, limit: int, kv_cache: bool) -> Callable[[list[int]], torch.Tensor]:
     """``f(ids) -> logits of the token after ids``. With ``kv_cache``: a prefill, then one position per call
-    (:mod:`paratrain.models.llama_decode`), while the sequence fits ``limit``; past it, and without a cache,
-    a forward over the last ``limit`` ids."""
+    (:mod:`paratrain.models.llama_decode` for paratrain's Llama, the model's own cache for an hf model), while
+    the sequence fits ``limit``; past it, for other models and without a cache, a forward over the last
+    ``limit`` ids."""
     cache: list[Any] = []
     done = 0  # ids already in the cache
 
@@ -72,7 +75,26 @@ def _next_logits(model: torch.nn.Module, limit: int, kv_cache: bool) -> Callable
         done = len(ids)
         return logits[0, -1].float()
 
-    return cached if kv_cache else full
+    hf_forward = cached_forward(model) if kv_cache else None
+    past: Any = None
+    # the argument (and output field) that carries the cache: ``cache`` in transformers 5.2x, earlier
+    # ``past_key_values``
+    cache_arg = (
+        "cache" if hf_forward and "cache" in inspect.signature(hf_forward).parameters else "past_key_values"
+    )
+
+    def hf_cached(ids: list[int]) -> torch.Tensor:
+        nonlocal done, past
+        if len(ids) > limit:
+            return full(ids)
+        new = ids[done:] if done else ids
+        out = hf_forward(model, input_ids=torch.tensor([new]), **{cache_arg: past}, use_cache=True)
+        past, done = getattr(out, cache_arg), len(ids)
+        return out.logits[0, -1].float()
+
+    if hf_forward is not None:
+        return hf_cached
+    return cached if kv_cache and isinstance(model, Llama) else full
 
 
 def _tokenizer(cfg: RunConfig, step_dir: Path) -> Tokenizer:
@@ -147,7 +169,7 @@ def generate(
     if not 0 <= seed < 2**64:
         raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed}.")
     if model_name is not None:
-        return _sample_hf(model_name, prompt, max_new_tokens, temperature, top_k, seed)
+        return _sample_hf(model_name, prompt, max_new_tokens, temperature, top_k, seed, kv_cache)
     assert ckpt is not None
     step_dir = resolve_checkpoint(ckpt)  # verified (checksums included) before anything is built from it
     state = read_train_state(step_dir, step_of(step_dir))
@@ -179,7 +201,13 @@ def generate(
 
 
 def _sample_hf(
-    name: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+    name: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    kv_cache: bool = True,
 ) -> dict[str, Any]:
     from paratrain.data.tokenizers import HFDirTokenizer
     from paratrain.models.hf import HF_PREFIX
@@ -190,7 +218,7 @@ def _sample_hf(
         )
     tok = HFDirTokenizer(name[len(HF_PREFIX) :])
     model = _hf_model(name, tok.vocab_size)
-    out = _sample(model, tok, prompt, max_new_tokens, temperature, top_k, seed)
+    out = _sample(model, tok, prompt, max_new_tokens, temperature, top_k, seed, kv_cache)
     return {"checkpoint": None, "step": None, "model": name, **out}
 
 
@@ -205,7 +233,8 @@ def _sample(
     kv_cache: bool = True,
 ) -> dict[str, Any]:
     """The sampling loop (module docstring); an hf model's prompt starts with its BOS and it stops at EOS. A
-    paratrain Llama decodes with a KV cache (``kv_cache``); other models recompute the context per token."""
+    paratrain Llama or an hf model decodes with a KV cache (``kv_cache``); other models recompute the context
+    per token."""
     model.eval()
     set_threads(sum(p.numel() for p in model.parameters()))
     bos, eos = getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)
@@ -214,7 +243,8 @@ def _sample(
     limit = _context_limit(model)
     gen = torch.Generator().manual_seed(seed)
     out = list(ids)
-    next_logits = _next_logits(model, limit, kv_cache and isinstance(model, Llama))
+    cache_used = kv_cache and (isinstance(model, Llama) or cached_forward(model) is not None)
+    next_logits = _next_logits(model, limit, cache_used)
     t0 = time.perf_counter()
     for _ in range(max_new_tokens):
         # only ids the tokenizer can decode (a model may have more rows: --set model.vocab_size=)
@@ -239,6 +269,6 @@ def _sample(
         "prompt_ids": ids,
         "token_ids": new,
         "tokens_per_s": len(new) / seconds if seconds > 0 else None,
-        "kv_cache": kv_cache and isinstance(model, Llama),
+        "kv_cache": cache_used,
         "threads": torch.get_num_threads(),
     }
