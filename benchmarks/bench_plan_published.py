@@ -9,16 +9,20 @@ Rows (each with its source and conditions in ``ROWS``):
   pytorch/torchtitan, Dec 2024; 96 GB HBM2e H100s at 500 W): 8B FSDP on 8 and 128 GPUs (selective op AC, local
   batch 2, seq 8192; eager bf16, with torch.compile, and with compile + Float8: ``--compile``, ``--fp8``), 70B
   FSDP 32 x TP 8 and 405B FSDP 8 x TP 8 x PP 8 (1F1B and interleaved 1F1B; Table 6's 1F1B row without context
-  parallelism, seq 32768 at local batch 8: the same tokens per micro-batch), full AC, compile + Float8; memory
-  and tokens/s/GPU on every row;
+  parallelism, seq 32768 at local batch 8: the same tokens per micro-batch), full AC, compile + Float8; Table
+  2's CP 1 row (8B FSDP 8 at seq 32768, full AC, compile + Float8) held out; memory and tokens/s/GPU on every
+  row;
 - IBM's fms-fsdp (README's throughput table, https://github.com/foundation-model-stack/fms-fsdp): Llama 2 7B and
-  13B under HSDP (16 replicas of 8-GPU shards), 70B under FSDP with activation checkpointing of every block, on
-  128 A100s, seq 4096, bf16 eager (time only);
+  13B under HSDP (16 replicas of 8-GPU shards), 70B (and 34B, held out) under FSDP with activation
+  checkpointing of every block, on 128 A100s, seq 4096, bf16 eager (time only);
 - Megatron-LM's GPT-3 175B (Narayanan et al. 2021, https://arxiv.org/abs/2104.04473, Table 2, "PTD
   Parallelism"): model-parallel size 96 (TP 8 x PP 12) x DP 16 on 1,536 A100s, batch 1,536, micro-batch 1,
   141 TFLOP/s per GPU counted with recomputation (time only); the same layout on 384 and 768 GPUs (153 and 149
   TFLOP/s) are held-out rows. The paper's Table 1 has no 175B row: its 1,536-GPU row is a 145.6B model (TP 8 x
-  PP 8, batch 2,304, 148 TFLOP/s), and 163 TFLOP/s belongs to its 529.6B and 1,008B rows.
+  PP 8, batch 2,304, 148 TFLOP/s), and 163 TFLOP/s belongs to its 529.6B and 1,008B rows. Table 2's DeepSpeed
+  ZeRO-3 rows of the same model (384, 768, 1,536 GPUs) are held-out misses (communication-bound there).
+
+Rows marked ``held_out_only`` are predicted, never fitted on (nor in ``spec.hardware.EFFICIENCY``).
 
 Memory is compared as the peer reports it: torchtitan's "Memory (GiB)" is the caching allocator's reserved peak
 (the plan's ``peak_reserved``), the ZeRO table counts model states (``model_state_bytes_per_rank``). Throughput
