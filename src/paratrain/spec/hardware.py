@@ -177,7 +177,7 @@ EFFICIENCY: dict[tuple[str, str], float] = {
     ("H200", "16-bit"): 0.371,
     ("H200", "16-bit compiled"): 0.430,
     ("H200", "fp8 compiled"): 0.372,
-    ("A100", "16-bit"): 0.603,
+    ("A100", "16-bit"): 0.576,
 }
 """Default fraction of the dense peak a training step achieves, per GPU family and compute (:func:`compute_key`:
 the precision, ``fp8`` for Float8 linears, `` compiled`` with ``--compile``), fitted to the published runs of
@@ -188,8 +188,9 @@ row); H100 16-bit compiled is the same two rows with torch.compile (0.435, 0.425
 torchtitan row with torch.compile + Float8: 8B FSDP on 8 and 128 GPUs, 70B FSDP x TP, 405B FSDP x TP x PP with
 1F1B, interleaved 1F1B and 1F1B at 32k tokens (implied 0.336-0.419, the efficiency of the whole step at the
 fp8 peak for the layers' linears and the 16-bit peak for the rest); A100 16-bit is Megatron-LM's GPT-3 175B
-(0.693, fused kernels, recomputation counted as the paper counts it) and IBM fms-fsdp's Llama 2 7B, 13B (HSDP)
-and 70B (FSDP, full AC) on 128 A100s (0.555, 0.475, 0.721): their geometric mean. Other GPUs, fp32, and fp8
+on 1,536 GPUs (Narayanan et al. 2021 Table 2, 141 TFLOP/s: 0.577, fused kernels, recomputation counted as the
+paper counts it; its 384- and 768-GPU rows are held out) and IBM fms-fsdp's Llama 2 7B, 13B (HSDP) and 70B
+(FSDP, full AC) on 128 A100s (0.555, 0.475, 0.721): their geometric mean. Other GPUs, fp32, and fp8
 without compile keep :attr:`Cluster.efficiency`'s 0.5. ``--efficiency`` wins."""
 
 
