@@ -25,13 +25,13 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, str]:
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["generate", "--ckpt", "nowhere", "--temperature", "1e-45"], "--temperature 1e-45 is too small"),
+        (["generate", "--ckpt", ".", "--temperature", "1e-45"], "--temperature 1e-45 is too small"),
         (
-            ["generate", "--ckpt", "nowhere", "--seed", "100000000000000000000000"],
+            ["generate", "--ckpt", ".", "--seed", "100000000000000000000000"],
             "--seed must be an integer",
         ),
-        (["generate", "--ckpt", "nowhere", "--seed", "-1"], "--seed must be an integer"),
-        (["generate", "--ckpt", "nowhere", "--seed", "1e23"], "invalid int value: '1e23'"),
+        (["generate", "--ckpt", ".", "--seed", "-1"], "--seed must be an integer"),
+        (["generate", "--ckpt", ".", "--seed", "1e23"], "invalid int value: '1e23'"),
         (["plan", "--model", "llama-debug", "--gpu-mem", "1e400GB"], "'1e400GB' is not a finite number"),
         (["plan", "--model", "llama-debug", "--intra-bw", "1e400GB/s"], "not a finite number"),
         (["launch", "--hang-timeout", "5", "script.py"], "--hang-timeout only act(s) with --guard"),
@@ -70,7 +70,7 @@ def test_plan_calibrate_refuses_a_binary_file_and_a_fifo(
     "argv",
     [
         ["plan", "--model", "llama-debug", "--gpu-mem", "1e400GB", "--json"],  # a refused value
-        ["generate", "--ckpt", "nowhere", "--temperature", "1e-45", "--json"],
+        ["generate", "--ckpt", ".", "--temperature", "1e-45", "--json"],
         ["plan", "--model", "llama-debug", "--optimizer", "lion", "--json"],  # argparse's own refusal
     ],
 )
