@@ -40,7 +40,6 @@ experts the rank owns, and sent back.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.models.spec import Dispatcher, register_expert_layer
 from paratrain.spec.moe import is_moe_layer
 
 if TYPE_CHECKING:
@@ -63,10 +63,6 @@ __all__ = [
     "pop_aux_loss",
     "route_tables",
 ]
-
-Dispatcher = Callable[["GroupedExperts", torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(experts, rows in expert-major order [N, dim], rows per global expert [E]) -> expert outputs [N, dim]``."""
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor parameter (the tensor itself otherwise)."""
@@ -183,6 +179,7 @@ def route_tables(
 
 
 # ---------------------------------------------------------------------------------------------- block
+@register_expert_layer
 class MoE(nn.Module):
     """``x [b, s, dim] -> [b, s, dim]``: routed experts (+ the shared expert), see the module docstring."""
 

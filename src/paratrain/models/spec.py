@@ -15,6 +15,12 @@ what the spec provides:
 - ``materialize(model, device)``: for a model whose parameters were built on the meta device (its weights
   come from files), allocate what this rank holds after the split and read it.
 
+Mixture-of-experts blocks are found by module type, not through the model's spec: the expert-parallel
+strategies also look inside a pipeline stage or a wrapper, which no model predicate matches. A family
+registers its block class with :func:`register_expert_layer`; :func:`expert_layers` returns the blocks of any
+module, each used only through the :class:`ExpertLayer` protocol (the routed experts' stacked weights, the
+router, the shared expert and the ``dispatcher`` hook that expert parallelism sets).
+
 A family registers its spec with :func:`register_model_spec` (the built-in families when
 :mod:`paratrain.models` is imported; this module imports none of them) under a predicate on the module (usually an
 ``isinstance`` test written in the family's own module), or a builder attaches one to an instance
@@ -27,11 +33,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
+import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "attach_spec", "model_blocks", "register_model_spec", "spec_of"]
+__all__ = [
+    "Dispatcher",
+    "ExpertLayer",
+    "ModelSpec",
+    "attach_spec",
+    "expert_layers",
+    "model_blocks",
+    "register_expert_layer",
+    "register_model_spec",
+    "spec_of",
+]
 
 SPEC_ATTR = "_paratrain_model_spec"
 """Instance attribute holding a model's own :class:`ModelSpec` (set by :func:`attach_spec`)."""
@@ -103,3 +120,46 @@ def model_blocks(model: nn.Module) -> list[nn.Module] | None:
             return list(blocks.values())
     return None
 
+
+# ---------------------------------------------------------------------------------------------- experts
+Dispatcher = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(experts, rows in expert-major order [N, dim], rows per global expert [E]) -> expert outputs [N, dim]``."""
+
+
+class ExpertLayer(Protocol):
+    """What the expert-parallel strategies use of one mixture-of-experts block (an ``nn.Module``)."""
+
+    n_experts: int
+    """Routed experts of the block (the ``ep`` degree must divide it)."""
+    aux_loss_coef: float
+    """Weight of the sequence-level balance loss; ``> 0`` needs whole sequences on one rank."""
+    experts: nn.Module
+    """The routed experts: every parameter stacked along dim 0 (``[n_experts, ...]``, split by expert
+    parallelism as ``Shard(0)``); ``experts(rows, counts)`` computes rows in expert-major order."""
+    router: nn.Module
+    """The gate; replicated over ``tp``, its gradient summed over the tp ranks that routed sequence slices."""
+    shared_experts: nn.Module | None
+    """The always-on expert (replicated like the router), or ``None``."""
+    dispatcher: Dispatcher | None
+    """Expert parallelism's exchange, set by the strategy; ``None``: every expert is local."""
+    training: bool
+    """``nn.Module.training``: the block records its routing statistics only in training mode."""
+
+
+_EXPERT_TYPES: list[type[nn.Module]] = []
+_M = TypeVar("_M", bound=type[nn.Module])
+
+
+def register_expert_layer(cls: _M) -> _M:
+    """Declare ``cls`` a mixture-of-experts block (it provides :class:`ExpertLayer`); returns ``cls``."""
+    if cls not in _EXPERT_TYPES:
+        _EXPERT_TYPES.append(cls)
+    return cls
+
+
+def expert_layers(model: nn.Module) -> list[ExpertLayer]:
+    """The mixture-of-experts blocks inside ``model`` (any wrapper or pipeline stage), in module order."""
+    types = tuple(_EXPERT_TYPES)
+    if not types:
+        return []
+    return [cast(ExpertLayer, m) for m in model.modules() if isinstance(m, types)]

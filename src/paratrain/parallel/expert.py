@@ -1,4 +1,4 @@
-"""``ep``, ``fsdp+ep`` and ``fsdp+tp+ep``: expert parallelism for mixture-of-experts models (:mod:`paratrain.models.moe`).
+"""``ep``, ``fsdp+ep`` and ``fsdp+tp+ep``: expert parallelism for mixture-of-experts models.
 
 **Layout** (torchtitan's dp2ep). The dense part of the model (attention, norms, router, shared expert,
 embeddings) is laid out as usual over the data-parallel ranks: replicated (``ep``) or sharded by FSDP2
@@ -12,7 +12,7 @@ world / ep``, hold copies of the same expert shard: replicated (``ep``), or shar
 **Communication schedule of one MoE layer**, forward (each rank routes its own tokens):
 
 1. the router picks ``top_k`` experts per token; the assignments are sorted, stably, into expert-major
-   order (:func:`paratrain.models.moe.route_tables`), so the rows for the experts of ep rank ``j`` are one
+   order (the model's own routing tables), so the rows for the experts of ep rank ``j`` are one
    contiguous block;
 2. the rows per (destination rank, expert) are exchanged first: an all-to-all of ``n_experts`` integers;
 3. dispatch: ``all_to_all_single`` with uneven splits sends each block to the rank owning its experts
@@ -52,7 +52,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
-from paratrain.models.moe import GroupedExperts, MoE, moe_layers
+from paratrain.models.spec import expert_layers
 from paratrain.parallel.grads import (
     all_reduce_replicas,
     clip_grad_norm,
@@ -98,7 +98,7 @@ class ExpertDispatch:
         """Bytes of token rows this rank sent to other ranks in forward passes (dispatch + combine); backward
         sends the same again."""
 
-    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep = self.ep
         n_local = counts.numel() // ep
         table = counts.to(torch.int64).view(ep, n_local)  # rows for (destination rank, its local expert)
@@ -164,7 +164,7 @@ class _ExpertParallel(ModelParallel):
         placements = [Shard(0)] if self.uses_fsdp else [Replicate(), Shard(0)]
         ep, me = self.topology.ep, self.expert_mesh.get_local_rank("ep")
         dispatch = ExpertDispatch(self.expert_mesh.get_group("ep"), ep, self.config.comm_algorithm)
-        for moe in moe_layers(model):
+        for moe in expert_layers(model):
             experts = moe.experts
             for name, p in list(experts.named_parameters(recurse=False)):
                 # every rank initialised the full stack from the same seed: keep this rank's experts
@@ -184,7 +184,7 @@ class _ExpertParallel(ModelParallel):
             from paratrain.parallel.fsdp import shard_units
 
             assert self.expert_mesh is not None
-            for moe in moe_layers(model):  # the experts first: their own unit, sharded further over edp
+            for moe in expert_layers(model):  # the experts first: their own unit, sharded further over edp
                 fully_shard(moe.experts, mesh=self.expert_mesh["edp"], reshard_after_forward=True)
             self.fully_shard(shard_units(model, self.config.shard_units), [model])
         return model, rebind_optimizer(optimizer, names, model)
@@ -210,7 +210,7 @@ class _ExpertParallel(ModelParallel):
         factor = (self.topology.world_size // self.topology.pp // self.topology.ep) / self.topology.dp_size
         if factor == 1:
             return
-        for moe in moe_layers(model):
+        for moe in expert_layers(model):
             for p in moe.experts.parameters():
                 if p.grad is not None:
                     p.grad.to_local().mul_(factor)  # type: ignore[attr-defined]
@@ -242,8 +242,8 @@ class _TensorExpertParallel(_ExpertParallel):
     """``fsdp+tp+ep``: the dense part as ``fsdp+tp`` (:mod:`paratrain.parallel.tensor`), the experts over an
     ``ep`` axis borrowed from ``dp_shard x tp``.
 
-    The Llama TP plan runs each MoE block sequence-parallel (:func:`paratrain.models.llama_parallel.tp_plan`):
-    a tp rank routes its own ``s / tp`` tokens, so every rank of ``dp_shard x tp`` routes different tokens and
+    The model's TP plan runs each MoE block sequence-parallel
+    (Llama's: :func:`paratrain.models.llama_parallel.tp_plan`): a tp rank routes its own ``s / tp`` tokens, so every rank of ``dp_shard x tp`` routes different tokens and
     the ``ep`` groups (``ep`` consecutive ranks: the tp ranks first) exchange them like data-parallel ranks.
     The router and the shared expert are replicated over ``tp`` and see a slice of the sequence each: after
     FSDP2's reduce-scatter over ``dp_shard`` their gradient shards are summed over ``tp`` (one all-reduce
@@ -252,7 +252,7 @@ class _TensorExpertParallel(_ExpertParallel):
     @classmethod
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
         super().check_model(model, world_size, config)
-        layers = moe_layers(model)
+        layers = expert_layers(model)
         if cls.topology_for(world_size, config).tp > 1 and layers and layers[0].aux_loss_coef > 0:
             raise ConfigError(
                 f"model.aux_loss_coef={layers[0].aux_loss_coef}: the sequence-level balance loss needs whole "
@@ -271,7 +271,7 @@ class _TensorExpertParallel(_ExpertParallel):
         self.scale_expert_gradients(model)
         if self.topology.tp > 1:
             tp = self.group("tp")
-            for moe in moe_layers(model):
+            for moe in expert_layers(model):
                 for mod in (moe.router, moe.shared_experts):
                     for p in mod.parameters() if mod is not None else ():
                         if p.grad is not None:
@@ -285,7 +285,7 @@ class _TensorExpertParallel(_ExpertParallel):
 def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> None:
     """Refuse a model without MoE layers, or whose expert count ``ep`` does not divide (``ranks``: the ranks
     ``ep`` borrows from; the degrees suggested divide them too)."""
-    layers = moe_layers(model)
+    layers = expert_layers(model)
     if not layers:
         raise ConfigError(
             f"expert parallelism (--ep {ep}) splits the experts of a mixture-of-experts model, and "
@@ -329,6 +329,5 @@ __all__ = [
     "ExpertParallel",
     "FSDPExpertParallel",
     "FSDPTensorExpertParallel",
-    "MoE",
     "check_model_experts",
 ]

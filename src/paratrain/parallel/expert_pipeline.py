@@ -32,7 +32,7 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
-from paratrain.models.moe import moe_layers
+from paratrain.models.spec import expert_layers
 from paratrain.parallel.expert import _ExpertParallel
 from paratrain.parallel.optim import parameter_names
 from paratrain.parallel.pipeline import _Pipeline
@@ -50,7 +50,7 @@ class FSDPExpertPipelineParallel(_Pipeline, _ExpertParallel):
     @classmethod
     def check_model(cls, model: nn.Module, world_size: int, config: StrategyConfig) -> None:
         super().check_model(model, world_size, config)
-        layers = moe_layers(model)
+        layers = expert_layers(model)
         if layers and layers[0].aux_loss_coef > 0:
             raise ConfigError(
                 f"model.aux_loss_coef={layers[0].aux_loss_coef}: under {cls.name} only the last stage computes "
@@ -66,7 +66,7 @@ class FSDPExpertPipelineParallel(_Pipeline, _ExpertParallel):
         assert self.expert_mesh is not None
         # an optimizer built over the expert DTensors is rebound by name after FSDP2 replaced them
         self._names_before_tp.update(parameter_names(model))
-        for moe in moe_layers(model):
+        for moe in expert_layers(model):
             fully_shard(moe.experts, mesh=self.expert_mesh["edp"], reshard_after_forward=True)
         return _Pipeline.wrap(self, model, optimizer)
 

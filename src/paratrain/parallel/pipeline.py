@@ -48,8 +48,7 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
-from paratrain.models.moe import moe_layers
-from paratrain.models.spec import ModelSpec, spec_of
+from paratrain.models.spec import ModelSpec, expert_layers, spec_of
 from paratrain.parallel.grads import clip_grad_norm, replicated_value, to_local
 from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
@@ -371,8 +370,8 @@ def _uncounted_inference(stage: Any) -> Any:
 
     That inference runs a real forward and backward of the stage (every rank of the stage together, so the
     experts' all-to-alls pair up) on placeholder inputs; its routed tokens must not enter the expert-bias
-    counts nor leave an auxiliary loss behind (:class:`paratrain.models.moe.MoE` records only in training)."""
-    layers = moe_layers(stage.submod)
+    counts nor leave an auxiliary loss behind (an :class:`~paratrain.models.spec.ExpertLayer` records only in training)."""
+    layers = expert_layers(stage.submod)
     infer = getattr(stage, "_forward_metadata_inference", None)
     if not layers or infer is None:
         return stage

@@ -44,7 +44,7 @@ from torch import nn
 
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
-from paratrain.models.spec import spec_of
+from paratrain.models.spec import expert_layers, spec_of
 from paratrain.parallel.grads import (
     align_grads,
     all_reduce_replicas,
@@ -127,10 +127,9 @@ class ModelParallel(Strategy):
     def check_experts_tp(cls, model: nn.Module) -> None:
         """An MoE model under tensor parallelism needs a strategy that splits its experts (``fsdp+tp+ep``):
         the TP plan runs MoE blocks sequence-parallel and leaves the experts to ``ep``."""
-        from paratrain.models.moe import moe_layers
-
-        if moe_layers(model) and not cls.uses_ep:
-            n = moe_layers(model)[0].n_experts
+        layers = expert_layers(model)
+        if layers and not cls.uses_ep:
+            n = layers[0].n_experts
             raise ConfigError(
                 f"strategy {cls.name!r} does not split MoE layers (model.n_experts={n}): under tensor parallelism "
                 "the experts are split over an ep axis. Use --strategy fsdp+tp+ep, or fsdp+ep / ep without tp, "
