@@ -1,7 +1,9 @@
 """``paratrain`` command line: parse, build a typed config, call one function. Nothing else lives here.
 
-Every ``train`` and ``launch`` flag is generated from the typed config dataclasses
-(:func:`paratrain.config.add_arguments`), with the field docstrings as help: each option is declared once.
+Every flag of ``train``, ``launch``, ``plan``, ``generate`` and ``bench`` that sets a config value is generated
+from the typed config dataclasses (:func:`paratrain.config.add_arguments` for a run's sections,
+:func:`paratrain.config.add_command_arguments` for a command's own config), with the field docstrings as help:
+each option is declared once.
 """
 
 from __future__ import annotations
@@ -13,7 +15,17 @@ import sys
 from typing import Any, NoReturn
 
 from paratrain import __version__
-from paratrain.config import LAUNCH, TRAIN, LaunchConfig, RunConfig, add_arguments, apply_arguments
+from paratrain.config import (
+    LAUNCH,
+    TRAIN,
+    GenerateConfig,
+    LaunchConfig,
+    RunConfig,
+    add_arguments,
+    add_command_arguments,
+    apply_arguments,
+    command_config,
+)
 from paratrain.errors import ConfigError
 from paratrain.tables import Col, key_values, table
 
@@ -203,17 +215,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    cfg = command_config(GenerateConfig, args)  # refused here, before torch is imported
     from pathlib import Path
 
-    if not Path(args.ckpt).exists():  # before torch is imported
+    if cfg.ckpt is not None and not Path(cfg.ckpt).exists():  # before torch is imported
         raise ConfigError(
-            f"--ckpt {args.ckpt} does not exist. Give a run directory, a checkpoint directory or a step."
+            f"--ckpt {cfg.ckpt} does not exist. Give a run directory, a checkpoint directory or a step."
         )
     from paratrain.train.generate import generate
 
-    out = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                   args.model, kv_cache=not args.no_kv_cache)  # fmt: skip
-    print(json.dumps(out) if args.json else args.prompt + out["text"])
+    out = generate(cfg.ckpt, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.model,
+                   kv_cache=cfg.kv_cache)  # fmt: skip
+    print(json.dumps(out) if args.json else cfg.prompt + out["text"])
     if not args.json and out.get("tokens_per_s"):
         print(f"[paratrain] {out['new_tokens']} tokens at {out['tokens_per_s']:,.1f} tokens/s "
               f"({out['threads']} threads, KV cache {'on' if out['kv_cache'] else 'off'})", file=sys.stderr)  # fmt: skip
@@ -290,16 +303,7 @@ def _plan(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", help="a run directory, its checkpoints/ directory, or one step_NNNNNNNN")
-    p.add_argument("--model", help="hf:DIR: sample from a Hugging Face model directory instead of --ckpt")
-    p.add_argument("--prompt", default="", help="text the sample continues (default: empty)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
-    p.add_argument(
-        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
-    )
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context for every token")
+    add_command_arguments(p, GenerateConfig)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
 

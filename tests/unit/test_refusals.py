@@ -31,7 +31,7 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, str]:
             "--seed must be an integer",
         ),
         (["generate", "--ckpt", ".", "--seed", "-1"], "--seed must be an integer"),
-        (["generate", "--ckpt", ".", "--seed", "1e23"], "invalid int value: '1e23'"),
+        (["generate", "--ckpt", ".", "--seed", "1e23"], "--seed: expected an integer, got '1e23'"),
         (["plan", "--model", "llama-debug", "--gpu-mem", "1e400GB"], "'1e400GB' is not a finite number"),
         (["plan", "--model", "llama-debug", "--intra-bw", "1e400GB/s"], "not a finite number"),
         (["launch", "--hang-timeout", "5", "script.py"], "--hang-timeout only act(s) with --guard"),

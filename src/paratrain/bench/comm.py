@@ -19,12 +19,13 @@ import json
 import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paratrain.comm._check import ALGORITHMS
 from paratrain.comm._ops import OPS
-from paratrain.config import LaunchConfig
+from paratrain.config import LaunchConfig, add_command_arguments, command_config, option
 from paratrain.errors import ConfigError
 from paratrain.spec.cost import BUS_FACTORS
 from paratrain.tables import Col, table
@@ -91,69 +92,83 @@ def _names(flag: str, text: str, choices: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+@dataclass(frozen=True)
+class BenchCommConfig:
+    """``paratrain bench comm``: what to time, over how many ranks (its flags are these fields)."""
+
+    nproc_per_node: int = option(4)
+    """Local ranks to launch."""
+    collectives: str = option("all_reduce")
+    """Comma list of all_reduce, all_gather, reduce_scatter, broadcast, reduce, or all."""
+    algorithms: str = option("all")
+    """Comma list of native, naive, tree, ring, rhd, shm, or all (each collective runs those it has)."""
+    sizes: str = option("1KB..16MB")
+    """Message sizes S: write sizes like 4096, 64KB, 16MB, a list 4KB,1MB or a range 1KB..256MB (×--factor each
+    step)."""
+    factor: int = option(2)
+    """Step of a size range."""
+    iters: int = option(20)
+    """Timed iterations per size."""
+    warmup: int = option(5)
+    """Untimed iterations first."""
+    dtype: str = option("float32", choices=DTYPES)
+    """Element type of the messages."""
+    op: str = option("sum")
+    """Reduction op: sum, mean, max, min or prod."""
+    backend: str = option("auto")
+    """auto (NCCL with CUDA, else Gloo), gloo or nccl."""
+    device: str = option("auto")
+    """auto, cpu or cuda."""
+    timeout: float = option(300.0)
+    """Process-group timeout in seconds."""
+    cpu_bind: str = option("none", choices=("none", "cores"))
+    """cores: pin each rank to its own block of cores, as paratrain launch --cpu-bind cores."""
+    plot: str | None = option(None, metavar="PNG")
+    """Draw busbw against size, one line per algorithm."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}.")
+        if self.iters < 1 or self.warmup < 0:
+            raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {self.iters} and {self.warmup}.")
+        if self.op not in OPS:
+            raise ConfigError(f"--op {self.op!r} is not an op; choose one of {', '.join(OPS)}.")
+        if self.op == "mean" and self.dtype.startswith("int"):
+            raise ConfigError(
+                f"--op mean needs a float --dtype (the mean of {self.dtype} is not an integer)."
+            )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``paratrain bench comm`` (the CLI adds them to its ``bench comm`` subcommand)."""
-    parser.add_argument("--nproc-per-node", type=int, default=4, help="local ranks to launch (default 4)")
-    parser.add_argument(
-        "--collectives", default="all_reduce", help=f"comma list of {', '.join(COLLECTIVES)}, or all"
-    )
-    parser.add_argument(
-        "--algorithms",
-        default="all",
-        help="comma list of native, naive, tree, ring, rhd, shm, or all (each collective runs those it has)",
-    )
-    parser.add_argument(
-        "--sizes", default="1KB..16MB", help=f"message sizes S ({_SIZES_HELP}); default 1KB..16MB"
-    )
-    parser.add_argument("--factor", type=int, default=2, help="step of a size range (default 2)")
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--op", default="sum", help=f"reduction op: {', '.join(OPS)} (default sum)")
-    parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else Gloo), gloo or nccl")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
-    parser.add_argument(
-        "--cpu-bind", default="none", choices=("none", "cores"),
-        help="cores: pin each rank to its own block of cores, as paratrain launch --cpu-bind cores",
-    )  # fmt: skip
+    add_command_arguments(parser, BenchCommConfig)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument(
-        "--plot", default=None, metavar="PNG", help="draw busbw against size, one line per algorithm"
-    )
 
 
 def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchConfig]:
     """Validate every argument and return the workers' spec and the launch config. Raises ConfigError."""
-    if args.nproc_per_node is None or args.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}.")
-    if args.iters < 1 or args.warmup < 0:
-        raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}.")
-    collectives = _names("--collectives", args.collectives, COLLECTIVES)
+    cfg = command_config(BenchCommConfig, args)
+    collectives = _names("--collectives", cfg.collectives, COLLECTIVES)
     offered = tuple(dict.fromkeys(a for c in collectives for a in ALGORITHMS[c]))
-    algorithms = _names("--algorithms", args.algorithms, offered)
-    if args.op not in OPS:
-        raise ConfigError(f"--op {args.op!r} is not an op; choose one of {', '.join(OPS)}.")
-    if args.op == "mean" and args.dtype.startswith("int"):
-        raise ConfigError(f"--op mean needs a float --dtype (the mean of {args.dtype} is not an integer).")
-    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
-        raise ConfigError(f"--plot {args.plot}: directory {Path(args.plot).parent} does not exist.")
+    algorithms = _names("--algorithms", cfg.algorithms, offered)
+    if cfg.plot is not None and not Path(cfg.plot).resolve().parent.is_dir():
+        raise ConfigError(f"--plot {cfg.plot}: directory {Path(cfg.plot).parent} does not exist.")
     launch = LaunchConfig(
-        nproc_per_node=args.nproc_per_node, backend=args.backend, device=args.device, timeout_s=args.timeout,
-        cpu_bind=args.cpu_bind,
+        nproc_per_node=cfg.nproc_per_node, backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout,
+        cpu_bind=cfg.cpu_bind,
     )  # fmt: skip
     spec = {
         "collectives": collectives,
         "algorithms": algorithms,
-        "sizes": parse_sizes(args.sizes, args.factor),
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "dtype": args.dtype,
-        "op": args.op,
-        "backend": args.backend,
-        "device": args.device,
-        "timeout_s": args.timeout,
-        "cpu_bind": args.cpu_bind,
+        "sizes": parse_sizes(cfg.sizes, cfg.factor),
+        "iters": cfg.iters,
+        "warmup": cfg.warmup,
+        "dtype": cfg.dtype,
+        "op": cfg.op,
+        "backend": cfg.backend,
+        "device": cfg.device,
+        "timeout_s": cfg.timeout,
+        "cpu_bind": cfg.cpu_bind,
     }
     return spec, launch
 

@@ -26,28 +26,42 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paratrain.config import TRAIN, RunConfig, apply_arguments
+from paratrain.config import TRAIN, RunConfig, add_command_arguments, apply_arguments, command_config, option
 from paratrain.config import add_arguments as add_config_arguments
 from paratrain.errors import ConfigError
 from paratrain.tables import Col, table
 
 
+@dataclass(frozen=True)
+class BenchScalingConfig:
+    """``paratrain bench scaling``: the world sizes and how the work is split (every ``train`` flag too)."""
+
+    nproc: str | None = option(None, metavar="N,N,...")
+    """World sizes (local ranks) to run, e.g. 1,2,4 (default: 1, 2, 4, ... up to the number of CPU cores or
+    GPUs, at least 1,2)."""
+    mode: str = option("weak", choices=("weak", "strong"))
+    """weak: --batch-size per data-parallel rank; strong: --batch-size is the global batch at every world
+    size."""
+    threads_per_rank: str = option("1", metavar="N|auto")
+    """OpenMP threads of each rank (the same at every world size; auto: the launcher's cores // N). An
+    OMP_NUM_THREADS in the environment wins."""
+    plot: str | None = option(None, metavar="PNG")
+    """Draw samples/s and efficiency against N."""
+
+    def __post_init__(self) -> None:
+        t = self.threads_per_rank
+        if t != "auto" and not (t.isdigit() and int(t) >= 1):
+            raise ConfigError(f"--threads-per-rank {t!r}: give a positive integer or auto.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``paratrain bench scaling``: its own, then every ``paratrain train`` flag."""
-    parser.add_argument("--nproc", default=None, metavar="N,N,...",
-                        help="world sizes (local ranks) to run, e.g. 1,2,4 (default: 1, 2, 4, ... up to the "
-                             "number of CPU cores or GPUs, at least 1,2)")  # fmt: skip
-    parser.add_argument("--mode", choices=("weak", "strong"), default="weak",
-                        help="weak: --batch-size per data-parallel rank (default); strong: --batch-size is the "
-                             "global batch at every world size")  # fmt: skip
-    parser.add_argument("--threads-per-rank", default="1", metavar="N|auto",
-                        help="OpenMP threads of each rank (default 1, the same at every world size; auto: the "
-                             "launcher's cores // N). An OMP_NUM_THREADS in the environment wins")  # fmt: skip
+    add_command_arguments(parser, BenchScalingConfig)
     parser.add_argument("--json", action="store_true", help="print one JSON object (one row per world size)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="draw samples/s and efficiency against N")
     parser.add_argument("--config", help="TOML file with the run's [model], [train], ... tables")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="set any config field (repeatable), as for paratrain train")  # fmt: skip
@@ -213,11 +227,10 @@ def run(args: argparse.Namespace) -> int:
     from paratrain.launch import LaunchError
     from paratrain.launch.train_job import run_training
 
-    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
-        raise ConfigError(f"--plot {args.plot}: directory {Path(args.plot).parent} does not exist.")
-    threads = args.threads_per_rank
-    if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
-        raise ConfigError(f"--threads-per-rank {threads!r}: give a positive integer or auto.")
+    own = command_config(BenchScalingConfig, args)
+    if own.plot is not None and not Path(own.plot).resolve().parent.is_dir():
+        raise ConfigError(f"--plot {own.plot}: directory {Path(own.plot).parent} does not exist.")
+    threads = own.threads_per_rank
     configs, info = build_configs(args)
     omp = os.environ.get("OMP_NUM_THREADS")
     info["threads_per_rank"] = omp if omp is not None else threads

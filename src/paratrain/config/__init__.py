@@ -12,17 +12,22 @@ are refused by the registries themselves, in the launching process, before any w
 package imports no registry.
 
 The package: :mod:`.fields` (declaring and checking a field), :mod:`.sections` and :mod:`.job` (the
-sections), :mod:`.run` (:class:`RunConfig`), :mod:`.convert` (the one converter), :mod:`.cli` (generated flags).
+sections), :mod:`.run` (:class:`RunConfig`), :mod:`.commands` (the configs of commands other than a run),
+:mod:`.convert` (the one converter), :mod:`.cli` (generated flags).
 """
 
 from paratrain.config.cli import (
     CliOption,
     add_arguments,
+    add_command_arguments,
     apply_arguments,
     cli_options,
+    command_config,
+    command_options,
     field_docs,
     iter_options,
 )
+from paratrain.config.commands import GenerateConfig
 from paratrain.config.convert import convert
 from paratrain.config.fields import (
     AC_MODES,
@@ -60,6 +65,7 @@ __all__ = [
     "CliOption",
     "ConfigError",
     "DataConfig",
+    "GenerateConfig",
     "LaunchConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -68,9 +74,12 @@ __all__ = [
     "TrainConfig",
     "ac_policy",
     "add_arguments",
+    "add_command_arguments",
     "apply_arguments",
     "choice",
     "cli_options",
+    "command_config",
+    "command_options",
     "convert",
     "field_docs",
     "iter_options",

@@ -15,7 +15,6 @@ starts with the model's BOS, and sampling stops after the EOS, as ``transformers
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import time
 from collections.abc import Callable
@@ -27,17 +26,13 @@ import torch
 from paratrain.checkpoint.inspect import load_full_model, resolve_checkpoint
 from paratrain.checkpoint.layout import step_of
 from paratrain.checkpoint.state import read_train_state
-from paratrain.config import RunConfig
+from paratrain.config import GenerateConfig, RunConfig
 from paratrain.data.tokenizers import Tokenizer, load_tokenizer, parse_spec
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, is_language_model
 from paratrain.models.hf import cached_forward
 from paratrain.models.llama import Llama
 from paratrain.models.llama_decode import forward_cached
-
-MIN_TEMPERATURE = 1e-6
-"""The smallest positive temperature: logits of a few hundred divided by it stay far from float32's range."""
-
 
 SMALL_MODEL = 20_000_000
 """Parameters below which one thread decodes fastest: one token of a small model is a few hundred tiny ops,
@@ -147,27 +142,9 @@ def generate(
     """Sample ``max_new_tokens`` after ``prompt`` from the checkpoint ``ckpt`` or the Hugging Face directory of
     ``model_name`` (``hf:DIR``); returns the text, the new tokens' ids and what produced them. ``kv_cache``:
     decode a paratrain Llama incrementally (the same tokens, far fewer FLOPs; :mod:`paratrain.models.llama_decode`)."""
-    if (ckpt is None) == (model_name is None):
-        raise ConfigError(
-            "generate: give --ckpt RUN (a trained run) or --model hf:DIR (a pretrained directory)."
-        )
-    if (
-        max_new_tokens < 0
-        or not temperature >= 0
-        or math.isinf(temperature)
-        or (top_k is not None and top_k < 1)
-    ):
-        raise ConfigError(
-            f"--max-new-tokens and --temperature must be >= 0 (a finite number) and --top-k >= 1; got "
-            f"{max_new_tokens}, {temperature} and {top_k}."
-        )
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise ConfigError(
-            f"--temperature {temperature:g} is too small: the logits divided by it overflow to infinity. Use 0 "
-            f"for greedy sampling (the most likely token), or a value of at least {MIN_TEMPERATURE:g}."
-        )
-    if not 0 <= seed < 2**64:
-        raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed}.")
+    # the checks of the command's flags (paratrain.config.commands), for API calls too
+    GenerateConfig(None if ckpt is None else str(ckpt), model_name, prompt, max_new_tokens, temperature, top_k,
+                   seed, kv_cache)  # fmt: skip
     if model_name is not None:
         return _sample_hf(model_name, prompt, max_new_tokens, temperature, top_k, seed, kv_cache)
     assert ckpt is not None
