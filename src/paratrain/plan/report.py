@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from paratrain.tables import Col, table
+
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
 TIMES = ("compute", "bubble", "exposed_comm")
 
@@ -47,18 +49,17 @@ def format_plans(result: dict[str, Any]) -> str:
         p0 = plans[0]
         lines.append(f"global batch {p0['global_batch_size']} x {p0['seq_len']} tokens; layout = dp_replicate x "
                      f"dp_shard x tp x pp; bytes per rank in {unit} ({scale:.0e}); comm = bytes sent per rank per step")  # fmt: skip
-    head = (f"{'strategy':<11} {'layout':<12} {'AC':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
-            f"{'buffers':>8} {'peak':>8} {'fits':<4} {'comm ' + unit:>8} {'step s':>9} {'MFU':>5}")  # fmt: skip
-    lines += ["", head]
+    cols = [Col("strategy", width=11), Col("layout", width=12), Col("AC", width=9)]
+    cols += [Col(k, ">", 8) for k in ("params", "grads", "optim", "activ", "buffers", "peak")]
+    cols += [Col("fits", width=4), Col("comm " + unit, ">", 8), Col("step s", ">", 9), Col("MFU", ">", 5)]
+    rows = []
     for p in plans:
         b = p["bytes_per_rank"]
-        mfu = f"{100 * p['mfu']:4.0f}%" if p.get("mfu") is not None else "    -"
-        lines.append(
-            f"{p['strategy']:<11} {_layout(p):<12} {_ac(p):<9} "
-            + " ".join(f"{_gb(b[k], scale):>8}" for k in (*COMPONENTS, "peak"))
-            + f" {'yes' if p['fits'] else 'NO':<4} {_gb(p['comm_bytes_per_rank_per_step']['total'], scale):>8} "
-            f"{p['step_time_s']:9.4g} {mfu}"
-        )
+        mfu = f"{100 * p['mfu']:.0f}%" if p.get("mfu") is not None else "-"
+        rows.append([p["strategy"], _layout(p), _ac(p), *(_gb(b[k], scale) for k in (*COMPONENTS, "peak")),
+                     "yes" if p["fits"] else "NO", _gb(p["comm_bytes_per_rank_per_step"]["total"], scale),
+                     f"{p['step_time_s']:.4g}", mfu])  # fmt: skip
+    lines += ["", *table(cols, rows)]
     for p in plans:
         for a in p.get("advice", []):
             lines.append(f"{p['strategy']} does not fit; it {a}")
@@ -70,20 +71,19 @@ def format_plans(result: dict[str, Any]) -> str:
 
 
 def format_sweep(result: dict[str, Any]) -> str:
-    lines = [
-        _title(result),
-        "",
-        f"{'GPUs':>6}  {'best layout':<34} {'step s':>9} {'tokens/s':>12} {'MFU':>5} {'scaling':>8}",
-    ]
+    """One row per GPU count: the best layout, its step time, throughput, MFU and scaling efficiency."""
+    cols = [Col("GPUs", ">", 6), Col("best layout", width=34, gap=2), Col("step s", ">", 9),
+            Col("tokens/s", ">", 12), Col("MFU", ">", 5), Col("scaling", ">", 8)]  # fmt: skip
+    rows = []
     for row in result["sweep"]:
         p = row["plan"]
         if p is None:
-            lines.append(f"{row['gpus']:>6}  {'nothing fits':<34}")
+            rows.append([str(row["gpus"]), "nothing fits"])
             continue
         label = f"{p['strategy']} {_layout(p)}{'' if _ac(p) == 'none' else ' AC ' + _ac(p)}"
-        lines.append(f"{row['gpus']:>6}  {label:<34} {row['step_time_s']:9.4g} {row['tokens_per_s']:12.4g} "
-                     f"{100 * (row['mfu'] or 0):4.0f}% {100 * row['scaling_efficiency']:7.0f}%")  # fmt: skip
-    return "\n".join(lines)
+        rows.append([str(row["gpus"]), label, f"{row['step_time_s']:.4g}", f"{row['tokens_per_s']:.4g}",
+                     f"{100 * (row['mfu'] or 0):.0f}%", f"{100 * row['scaling_efficiency']:.0f}%"])  # fmt: skip
+    return "\n".join([_title(result), "", *table(cols, rows)])
 
 
 def plot(result: dict[str, Any], path: str) -> None:
