@@ -4,27 +4,18 @@ wrap one by one and that activation checkpointing recomputes."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.errors import ConfigError, suggest
+from paratrain.models.registry import REGISTRY as _REGISTRY
+from paratrain.models.registry import ModelBuilder, register_model  # noqa: F401  (the package's API)
 from paratrain.spec.catalog import MODEL_GROUP, plugins
 from paratrain.spec.factory import call_accepting, is_import_path, load_object
 
 HF_PREFIX = "hf:"
 """``--model hf:DIR``: a Hugging Face causal LM from a local directory."""
-ModelBuilder = Callable[[ModelConfig, tuple[int, ...], int], nn.Module]
-_REGISTRY: dict[str, ModelBuilder] = {}
-
-
-def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    def deco(fn: ModelBuilder) -> ModelBuilder:
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
 
 
 def available_models() -> list[str]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ModelConfig
-from paratrain.models import register_model
+from paratrain.models.registry import register_model
 
 
 class MLPBlock(nn.Module):

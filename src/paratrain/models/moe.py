@@ -64,6 +64,7 @@ __all__ = [
     "route_tables",
 ]
 
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor parameter (the tensor itself otherwise)."""
     fn = getattr(t, "to_local", None)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ModelConfig
-from paratrain.models import register_model
+from paratrain.models.registry import register_model
 
 DEPTHS: dict[int, list[int]] = {18: [2, 2, 2, 2], 34: [3, 4, 6, 3]}
 
