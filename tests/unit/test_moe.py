@@ -214,3 +214,21 @@ def test_stage_stats_merge_in_layer_order() -> None:
     assert merged["dropped_fraction"] == pytest.approx(0.5 * 8 / 16)
     assert merged["aux_loss"] == pytest.approx(0.75)
     assert merge_stage_stats([(["x"], None)]) is None
+
+
+def test_strategies_find_the_blocks_through_the_model_spec() -> None:
+    """``expert_layers`` (what the ep strategies call) finds every MoE block of a model, inside any wrapper
+    or pipeline-stage container, in module order, and nothing in a dense model."""
+    from torch import nn
+
+    from paratrain.models.spec import expert_layers
+
+    model = build_llama(LlamaConfig(**{**CFG.__dict__, "n_layers": 3}))
+    found = expert_layers(model)
+    assert len(found) == 3 and all(isinstance(m, MoE) for m in found)
+    assert [id(m) for m in found] == [id(m) for m in model.modules() if isinstance(m, MoE)]
+    stage = nn.ModuleDict({"2": model.layers["2"]})  # a stage keeps its blocks under their own keys
+    assert expert_layers(nn.Sequential(stage)) == [model.layers["2"].feed_forward]
+    dense = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16)
+    assert expert_layers(build_llama(dense)) == []
+    assert found[0].n_experts == CFG.n_experts and found[0].dispatcher is None
