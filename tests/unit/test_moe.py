@@ -229,6 +229,8 @@ def test_strategies_find_the_blocks_through_the_model_spec() -> None:
     assert [id(m) for m in found] == [id(m) for m in model.modules() if isinstance(m, MoE)]
     stage = nn.ModuleDict({"2": model.layers["2"]})  # a stage keeps its blocks under their own keys
     assert expert_layers(nn.Sequential(stage)) == [model.layers["2"].feed_forward]
-    dense = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16)
+    dense = LlamaConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16
+    )
     assert expert_layers(build_llama(dense)) == []
     assert found[0].n_experts == CFG.n_experts and found[0].dispatcher is None
