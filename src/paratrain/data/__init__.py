@@ -7,13 +7,16 @@ registered under a name with :func:`register_dataset`; ``DataConfig.name`` picks
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
-
 from paratrain.config import DataConfig
 from paratrain.data.batch import Batch
+from paratrain.data.registry import REGISTRY as _REGISTRY
+from paratrain.data.registry import (
+    DatasetBuilder,
+    Splits,
+    TensorData,
+    register_dataset,
+    split_indices,
+)
 from paratrain.data.sampler import DistributedBatchSampler
 from paratrain.errors import ConfigError, suggest
 from paratrain.spec.catalog import DATASET_GROUP, plugins
@@ -27,47 +30,8 @@ __all__ = [
     "available_datasets",
     "build_dataset",
     "register_dataset",
+    "split_indices",
 ]
-
-Transform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-
-
-@dataclass
-class TensorData:
-    """Inputs ``x`` and targets ``y`` as tensors; ``transform`` augments a train batch of ``x``."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    transform: Transform | None = None
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-    def batch(self, indices: torch.Tensor) -> Batch:
-        return Batch(self.x[indices], self.y[indices])
-
-
-@dataclass
-class Splits:
-    train: TensorData
-    test: TensorData
-    task: str
-    """``classification`` (cross-entropy, accuracy), ``regression`` (mean squared error) or ``lm``
-    (next-token cross-entropy over ``[batch, seq_len]`` token ids; perplexity)."""
-    input_shape: tuple[int, ...]
-    num_outputs: int
-
-
-DatasetBuilder = Callable[[DataConfig], Splits]
-_REGISTRY: dict[str, DatasetBuilder] = {}
-
-
-def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
-    def deco(fn: DatasetBuilder) -> DatasetBuilder:
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
 
 
 def available_datasets() -> list[str]:
@@ -114,14 +78,6 @@ def get_dataset_builder(name: str) -> DatasetBuilder:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown dataset {name!r}. {suggest(name, available_datasets())}")
     return _REGISTRY[name]
-
-
-def split_indices(n: int, test_fraction: float, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic shuffled train/test split of ``range(n)`` (same on every rank and every run)."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g)
-    n_test = max(1, round(n * test_fraction))
-    return perm[n_test:], perm[:n_test]
 
 
 def _load_builtin() -> None:

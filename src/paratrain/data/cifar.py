@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from paratrain.config import DataConfig
-from paratrain.data import Splits, TensorData, register_dataset, split_indices
+from paratrain.data.registry import Splits, TensorData, register_dataset, split_indices
 from paratrain.data.transforms import crop_flip, normalize
 from paratrain.errors import ConfigError
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from paratrain.config import DataConfig
-from paratrain.data import Splits, TensorData, register_dataset, split_indices
+from paratrain.data.registry import Splits, TensorData, register_dataset, split_indices
 
 
 def _shift_augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:

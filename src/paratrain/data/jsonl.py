@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import DataConfig
-from paratrain.data import Splits, TensorData, register_dataset
+from paratrain.data.registry import Splits, TensorData, register_dataset
 from paratrain.data.text import TextSplits
 from paratrain.data.tokenizers import Tokenizer, build_tokenizer
 from paratrain.errors import ConfigError

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from paratrain.config import DataConfig
-from paratrain.data import Splits, TensorData, register_dataset, split_indices
+from paratrain.data.registry import Splits, TensorData, register_dataset, split_indices
 from paratrain.data.transforms import normalize, random_crop
 from paratrain.errors import ConfigError
 

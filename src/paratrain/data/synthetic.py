@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.config import DataConfig
-from paratrain.data import Splits, TensorData, register_dataset, split_indices
+from paratrain.data.registry import Splits, TensorData, register_dataset, split_indices
 
 
 @register_dataset("synthetic-classification")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.data import Splits, TensorData
+from paratrain.data.registry import Splits, TensorData
 from paratrain.data.tokenizers import Tokenizer, build_tokenizer
 from paratrain.errors import ConfigError, suggest
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paratrain.config import DataConfig
-from paratrain.data import Splits, register_dataset
+from paratrain.data.registry import Splits, register_dataset
 from paratrain.data.text import build_text_splits
 
 

@@ -54,7 +54,7 @@ def _tensors(split: Any, path: str, which: str) -> tuple[torch.Tensor, torch.Ten
 
 def build_user_dataset(path: str, cfg: DataConfig, seed: int = 0) -> Any:
     """Call the factory ``path`` names and check what it returns against the protocol (module docstring)."""
-    from paratrain.data import Splits, TensorData
+    from paratrain.data.registry import Splits, TensorData
 
     factory = load_object(path, "--data")
     out = call_accepting(
