@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +187,10 @@ def _logits_class(cls: type) -> type:
     return _LOGITS_CLASSES[cls]
 
 
-def cached_forward(model: nn.Module) -> Any:
-    """The ``transformers`` class's own ``forward`` of an hf model (the one that takes ``past_key_values`` and
-    returns the cache), for incremental decoding; ``None`` for any other model."""
-    base = next((b for b in type(model).__mro__[1:] if _LOGITS_CLASSES.get(b) is type(model)), None)
+def cached_forward(model: nn.Module) -> Callable[..., Any] | None:
+    """The ``transformers`` class's own ``forward`` of an hf model (the one that takes the cache and returns
+    it), for incremental decoding; ``None`` for any other model."""
+    base: Any = next((b for b in type(model).__mro__[1:] if _LOGITS_CLASSES.get(b) is type(model)), None)
     return None if base is None else base.forward
 
 

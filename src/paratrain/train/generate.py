@@ -80,6 +80,7 @@ def _next_logits(model: torch.nn.Module, limit: int, kv_cache: bool) -> Callable
 
     def hf_cached(ids: list[int]) -> torch.Tensor:
         nonlocal done, past
+        assert hf_forward is not None
         if len(ids) > limit:
             return full(ids)
         new = ids[done:] if done else ids
