@@ -7,9 +7,10 @@ and optimizer state: a rank holds 16Ψ/N bytes of fp32 Adam model state. paratra
 - **Shard units** are wrapped bottom-up: every module of ``strategy.shard_units`` (by default each of
   ``model.blocks``, i.e. one per transformer / residual / conv block), then the root, which picks up the
   remaining parameters (stem, head). With ``blocks``, a model exposing untied input and output embeddings
-  (Hugging Face's ``get_input_embeddings``/``get_output_embeddings``) gets each as a unit of its own too, as
-  Accelerate's FSDP2 preparation does, so the vocabulary-sized matrices are not gathered with the root
-  (:func:`embedding_units`). Each unit's parameters become DTensors sharded along dim 0 over the mesh's
+  (Hugging Face's ``get_input_embeddings``/``get_output_embeddings``) gets the embedding as a unit of its own
+  and the final norm with the head as one more, as Accelerate's FSDP2 preparation does, so the
+  vocabulary-sized matrices are not gathered with the root and the root is left with no parameters (no
+  collective of its own) (:func:`embedding_units`). Each unit's parameters become DTensors sharded along dim 0 over the mesh's
   ``dp_shard`` axis.
 - **Communication schedule, per unit.** Forward: all-gather the unit's parameters just before its
   forward (FSDP2 prefetches the next unit's all-gather while this one computes), free them after it
@@ -76,14 +77,33 @@ def shard_units(model: nn.Module, spec: str) -> list[nn.Module]:
     return units
 
 
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm applied just before the output head of a Hugging Face model: the last direct child of its base
+    model (``base_model_prefix``: ``model.norm`` of Llama/Qwen/Mistral, ``transformer.ln_f`` of GPT-2) whose
+    class name contains ``Norm`` and which holds parameters; ``None`` when there is none."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    if not isinstance(base, nn.Module):
+        return None
+    norm = None
+    for child in base.children():
+        if "Norm" in type(child).__name__ and any(True for _ in child.parameters()):
+            norm = child
+    return norm
+
+
 def embedding_units(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """``([input embedding], [output head])`` of a model that exposes them (``get_input_embeddings`` and
-    ``get_output_embeddings``, as Hugging Face models do) with untied weights, else ``([], [])``.
+    """``([input embedding], [final norm, output head])`` of a model that exposes them
+    (``get_input_embeddings`` and ``get_output_embeddings``, as Hugging Face models do) with untied weights,
+    else ``([], [])``. The second list is one FSDP unit (a group of modules), the norm included when
+    :func:`final_norm` finds it.
 
     Wrapped as their own units, the embedding table is gathered only around the first layer's forward and
     backward, and the head from the end of forward to the start of backward, instead of both staying in the
     root unit, which gathers them (a vocabulary-sized pair of matrices) before forward and again before
-    backward. Tied weights stay in the root: one parameter cannot belong to two units."""
+    backward. The final norm runs just before the head: in the head's unit it costs no all-gather and
+    reduce-scatter of its own, and the root is left without parameters. Tied weights stay in the root: one
+    parameter cannot belong to two units."""
     get_in, get_out = (
         getattr(model, "get_input_embeddings", None),
         getattr(model, "get_output_embeddings", None),
@@ -96,7 +116,8 @@ def embedding_units(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]
     w_in, w_out = getattr(inp, "weight", None), getattr(out, "weight", None)
     if w_in is None or w_out is None or w_in is w_out:
         return [], []
-    return [inp], [out]
+    norm = final_norm(model)
+    return [inp], ([norm] if norm is not None else []) + [out]
 
 
 class _FullyShard(Strategy):
@@ -136,8 +157,8 @@ class _FullyShard(Strategy):
         embed, head = embedding_units(model) if self.config.shard_units.strip() == "blocks" else ([], [])
         for unit in embed + units:  # bottom-up: units first, root last
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kw)
-        for unit in head:  # used last in forward, first in backward: kept gathered in between
-            fully_shard(unit, reshard_after_forward=False, **kw)
+        if head:  # used last in forward, first in backward: kept gathered in between
+            fully_shard(head, reshard_after_forward=False, **kw)
         fully_shard(model, reshard_after_forward=self.reshard_after_forward, **kw)
         return model, rebind_optimizer(optimizer, names, model)
 
