@@ -256,11 +256,11 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
         )
     if args.params is not None:
         return spec_from_params(args.params)
-    from paratrain.plan.hf_config import hf_config_path, shape_from_hf_config
+    from paratrain.plan.hf_config import hf_config_path, spec_from_hf_config
 
     hf_path = hf_config_path(req.cfg.model.name)  # hf:DIR or a config.json: the shape from the JSON alone
     if hf_path is not None:
-        return spec_from_shape(shape_from_hf_config(hf_path), req.cfg.model.name)
+        return spec_from_hf_config(hf_path, req.cfg.model.name)
     from paratrain.spec.llama import PRESETS
 
     name = req.cfg.model.name

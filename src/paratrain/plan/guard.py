@@ -59,6 +59,13 @@ def device_cluster(world: int, nproc: int, cuda: bool) -> hw.Cluster:
 
 
 def run_spec(cfg: RunConfig, meta_model: Any, input_shape: tuple[int, ...]) -> ModelSpec:
+    # an hf: model: the shape from its config.json, as `paratrain plan --model hf:DIR` reads it
+    if cfg.model.name.startswith("hf:"):
+        from paratrain.plan.hf_config import hf_config_path, spec_from_hf_config
+
+        path = hf_config_path(cfg.model.name)
+        if path is not None:
+            return spec_from_hf_config(path, cfg.model.name)
     config = getattr(meta_model, "config", None)
     shape = shape_from_config(config) if config is not None else None
     if shape is not None:

@@ -13,13 +13,14 @@ q/k norms are counted per layer.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ConfigError
-from paratrain.plan.model import ParamGroup, TransformerShape
+from paratrain.plan.model import ModelSpec, ParamGroup, TransformerShape, spec_from_shape
 
-__all__ = ["LLAMA_LIKE", "hf_config_path", "shape_from_hf_config"]
+__all__ = ["LLAMA_LIKE", "hf_config_path", "shape_from_hf_config", "spec_from_hf_config"]
 
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 """``model_type`` values planned as ``arch="llama"``."""
@@ -103,3 +104,11 @@ def _layer_extra(
     if kind == "qwen3":
         extra += ParamGroup(replicated=2 * head_dim)
     return extra
+
+
+def spec_from_hf_config(path: Path, name: str) -> ModelSpec:
+    """The planner's spec of the ``config.json`` at ``path``: its shape, and, with untied embeddings, the
+    embedding and the final norm + head as FSDP units of their own (as zero3/hsdp wrap an HF model)."""
+    shape = shape_from_hf_config(path)
+    spec = spec_from_shape(shape, name)
+    return replace(spec, embedding_units=not shape.tied_embeddings)

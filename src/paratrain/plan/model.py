@@ -166,6 +166,10 @@ class ModelSpec:
     """A bare parameter count: model states only (no activations, buffers or TP/PP)."""
     moe: Any = None
     """A mixture-of-experts model's :class:`~paratrain.plan.moe.MoEShape` (``None``: dense)."""
+    embedding_units: bool = False
+    """FSDP (zero3/hsdp) wraps ``first`` (the embedding) and ``last`` (final norm + head) as units of their own
+    and leaves the root empty: Hugging Face models with untied embeddings
+    (:func:`paratrain.parallel.fsdp.embedding_units`)."""
 
     @property
     def inactive_params(self) -> int:

@@ -105,6 +105,9 @@ class StepShape:
     """Bytes of the gradient w.r.t. a unit's input (the residual stream, or a block's input)."""
     root: float = 0.0
     """FSDP: parameters of the root unit (embedding, final norm, head) on this rank, before sharding."""
+    kept_gathered: float = 0.0
+    """FSDP: bytes of a unit kept unsharded from the end of forward to its backward (an HF model's final norm
+    + head unit, ``reshard_after_forward=False``): live when backward starts."""
     largest_tensor: float = 0.0
     """Elements of the largest parameter tensor this rank's optimizer updates."""
     optimizer: str = "adamw"
@@ -241,6 +244,8 @@ def moments(s: StepShape) -> list[Peak]:
         start["autocast weight copies"] = s.cast_copies
     if s.stage_outputs:
         start["pipeline stage outputs"] = s.stage_outputs
+    if s.kept_gathered:
+        start["head unit (gathered)"] = s.kept_gathered
     out = [Peak("backward starts", start)]
     if s.recompute_working:
         redo = {**base, "activations": s.activations - s.released_before_recompute,

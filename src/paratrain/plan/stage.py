@@ -320,9 +320,17 @@ def stage_peak(
         outputs = _stage_outputs(spec, st, layout, w, batch, d, inp)
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
+    units, root, kept = tuple(g.per_rank(t) for g in st.groups), st.root.per_rank(t), 0.0
+    if spec.embedding_units and sharding == "full" and layout.pp == 1 and t == 1:
+        # zero3/hsdp of an HF model: the embedding and the final norm + head are units, the root holds nothing;
+        # the head's unit stays gathered from the end of forward to its backward
+        units, root = (spec.first.per_rank(t), *units, spec.last.per_rank(t)), 0.0
+        kept = spec.last.per_rank(t) * d.compute
+        if "unit_activations" in shape_kw:
+            shape_kw["unit_activations"] = (0.0, *shape_kw["unit_activations"])
     moment = pk.peak(pk.StepShape(
         states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
-        dp=layout.dp, d=d, units=tuple(g.per_rank(t) for g in st.groups), root=st.root.per_rank(t),
+        dp=layout.dp, d=d, units=units, root=root, kept_gathered=kept,
         largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
         bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
         cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
