@@ -7,10 +7,14 @@ made by the benchmark and saved sharded (``max_shard_size=100MB``) with its toke
 1. **Training, one process** (``train``): paratrain's ``Trainer.train_step`` of ``paratrain train --model
    hf:DIR --strategy single`` (its data, precision, scheduler, strategy step) against a plain loop:
    ``AutoModelForCausalLM.from_pretrained(DIR)``, ``torch.optim.AdamW``, next-token cross-entropy, on the
-   same token batches (the trainer's packed sequences, batch ``--batch`` x ``--seq-len``). ``--rounds``
-   rounds of ``--steps`` steps each, alternating which runs first; the figure is tokens/s per runner (median
-   over rounds) and the median of the per-round ratios. Both runners' first losses are recorded (equal:
-   same weights, same batch).
+   same token batches (the trainer's packed sequences, batch ``--batch`` x ``--seq-len``), with the same
+   AdamW settings (paratrain's defaults: weight decay 0). ``--rounds`` rounds of ``--steps`` steps each,
+   alternating which runs first. Two figures: wall tokens/s per runner (median over rounds) with the
+   median of the per-round ratios, and the **CPU time per step** (``time.process_time`` and
+   ``time.thread_time`` around each step; one thread, so the process's CPU time is the step's work): on a
+   machine shared with other jobs, wall time also counts the time the process waited for a core, CPU time
+   does not. The CPU ratio is plain's median CPU seconds per step over paratrain's (above 1: paratrain does
+   less work per step). Both runners' first losses are recorded (equal: same weights, same batch).
 2. **Loading on 2 ranks** (``load``): ``paratrain.setup(build_model(hf:DIR), strategy="zero3")`` (meta
    build, FSDP2 sharding, each rank reads its slices) against ``from_pretrained(DIR)`` on every rank. Per
    rank: wall time and the growth of the process's peak resident memory (``ru_maxrss`` after minus before;
@@ -97,7 +101,7 @@ def bench_train(d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: 
     sampler = DistributedBatchSampler(len(data), batch, 0, 1, seed=cfg.train.seed, shuffle=True)
     plain = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="sdpa")
     plain.train()
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
 
     def plain_step() -> float:
         b = data.batch(sampler.next_batch())
@@ -109,24 +113,33 @@ def bench_train(d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: 
         return float(loss)
 
     first = {"paratrain": float(trainer.train_step()), "plain": plain_step()}  # warm-up step each
+    step = {"paratrain": lambda: float(trainer.train_step()), "plain": plain_step}
     times: dict[str, list[float]] = {"paratrain": [], "plain": []}
+    cpu: dict[str, list[float]] = {"paratrain": [], "plain": []}  # process CPU seconds, per step
+    thread: dict[str, list[float]] = {"paratrain": [], "plain": []}  # the main thread's, per step
     for r in range(rounds):
         order = ["paratrain", "plain"] if r % 2 == 0 else ["plain", "paratrain"]
         for name in order:
             t0 = time.perf_counter()
             for _ in range(steps):
-                if name == "paratrain":
-                    trainer.train_step()
-                else:
-                    plain_step()
+                c0, h0 = time.process_time(), time.thread_time()
+                step[name]()  # float(): the step's work is done when it returns
+                cpu[name].append(time.process_time() - c0)
+                thread[name].append(time.thread_time() - h0)
             times[name].append(time.perf_counter() - t0)
     tokens = steps * batch * seq
     ratios = [p / q for p, q in zip(times["plain"], times["paratrain"], strict=True)]
+    cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
     return {
         "tokens_per_s": {k: tokens / statistics.median(v) for k, v in times.items()},
         "round_seconds": times,
         "paratrain_vs_plain_median_ratio": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
+        "cpu_seconds_per_step": cpu,
+        "thread_seconds_per_step": thread,
+        "cpu_seconds_per_step_median": cpu_median,
+        "cpu_tokens_per_s": {k: batch * seq / v for k, v in cpu_median.items()},
+        "paratrain_vs_plain_cpu_ratio": cpu_median["plain"] / cpu_median["paratrain"],
         "first_loss": first,
         "batch": batch,
         "seq_len": seq,
@@ -211,6 +224,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-load", action="store_true", help="training only (skip the loading benchmark)")
     ap.add_argument("--out", default=str(RESULTS / "hf.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -226,8 +240,10 @@ def main() -> None:
         made = make_model_dir(d, layers)
         print(f"model: {made['num_params'] / 1e6:.1f} M parameters in {d}", file=sys.stderr)
         train = bench_train(d, made["corpus"], args.batch, args.seq_len, args.steps, rounds)
-        print(json.dumps(train["tokens_per_s"]), train["paratrain_vs_plain_median_ratio"], file=sys.stderr)
-        load = bench_load(d, 2)
+        print(json.dumps(train["tokens_per_s"]), train["paratrain_vs_plain_median_ratio"],
+              train["paratrain_vs_plain_cpu_ratio"], file=sys.stderr)  # fmt: skip
+        load_mid = os.getloadavg()
+        load = None if args.no_load else bench_load(d, 2)
     result = {
         "benchmark": "bench_hf",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -238,6 +254,7 @@ def main() -> None:
             "transformers": transformers.__version__,
             "threads_per_process": 1,
             "load_average_before": load_before,
+            "load_average_after_train": load_mid,
             "load_average_after": os.getloadavg(),
             "note": "CPU shared with other engineers' jobs while measured",
         },

@@ -18,8 +18,12 @@ Both runners live in the same 2 processes and take the same batches in the same 
 
 One warm-up step each (first losses recorded), then ``--rounds`` rounds of ``--steps`` steps alternating
 which runs first; a round is timed on rank 0 between barriers. Recorded: tokens/s per runner (median over
-rounds), the per-round ratios, and every step's loss (mean over the ranks) of both runners, which see the
-same batches step for step.
+rounds), the per-round ratios, every step's loss (mean over the ranks) of both runners, which see the
+same batches step for step, and each rank's **CPU time per step** (``time.process_time``, all the
+process's threads, Gloo's included, and ``time.thread_time``, the training thread alone, around each
+step). On a CPU shared with other jobs a rank's wall time also counts the waits for its peer to be given a
+core at every collective; CPU time counts the work. The CPU ratio is Accelerate's median CPU seconds per
+step over paratrain's, per rank (above 1: paratrain does less work per step).
 
     python benchmarks/bench_hf_accelerate.py            # writes benchmarks/results/hf_accelerate.json
     python benchmarks/bench_hf_accelerate.py --quick    # a 2-layer model, 2 rounds (a smoke run)
@@ -102,13 +106,18 @@ def _race(
     for name in ("paratrain", "accelerate"):  # warm-up
         losses[name].append(run_step[name]().detach().float().reshape(()))
     times: dict[str, list[float]] = {"paratrain": [], "accelerate": []}
+    cpu: dict[str, list[float]] = {"paratrain": [], "accelerate": []}  # process CPU seconds per step
+    thread: dict[str, list[float]] = {"paratrain": [], "accelerate": []}  # the training thread's
     for r in range(rounds):
         order = ["paratrain", "accelerate"] if r % 2 == 0 else ["accelerate", "paratrain"]
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
+                c0, h0 = time.process_time(), time.thread_time()
                 losses[name].append(run_step[name]().detach().float().reshape(()))
+                cpu[name].append(time.process_time() - c0)
+                thread[name].append(time.thread_time() - h0)
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
     mean = {}
@@ -116,7 +125,8 @@ def _race(
         t = torch.stack(ls)
         dist.all_reduce(t)
         mean[name] = (t / world).tolist()
-    return {"round_seconds": times, "losses": mean, "num_params": trainer.num_params}
+    return {"round_seconds": times, "losses": mean, "num_params": trainer.num_params,
+            "cpu_seconds_per_step": cpu, "thread_seconds_per_step": thread}  # fmt: skip
 
 
 def main() -> None:
@@ -154,6 +164,7 @@ def main() -> None:
     times = got["round_seconds"]
     ratios = [a / p for a, p in zip(times["accelerate"], times["paratrain"], strict=True)]
     lp, la = got["losses"]["paratrain"], got["losses"]["accelerate"]
+    cpu = [{k: statistics.median(v) for k, v in r["cpu_seconds_per_step"].items()} for r in per_rank]
     result = {
         "benchmark": "bench_hf_accelerate",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -179,6 +190,10 @@ def main() -> None:
         "round_seconds": times,
         "paratrain_vs_accelerate_ratios": ratios,
         "paratrain_vs_accelerate_median_ratio": statistics.median(ratios),
+        "cpu_seconds_per_step_per_rank": [r["cpu_seconds_per_step"] for r in per_rank],
+        "thread_seconds_per_step_per_rank": [r["thread_seconds_per_step"] for r in per_rank],
+        "cpu_seconds_per_step_median_per_rank": cpu,
+        "paratrain_vs_accelerate_cpu_ratio_per_rank": [c["accelerate"] / c["paratrain"] for c in cpu],
         "losses": got["losses"],
         "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lp, la, strict=True)),
     }
