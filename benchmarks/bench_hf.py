@@ -14,7 +14,10 @@ made by the benchmark and saved sharded (``max_shard_size=100MB``) with its toke
    ``time.thread_time`` around each step; one thread, so the process's CPU time is the step's work): on a
    machine shared with other jobs, wall time also counts the time the process waited for a core, CPU time
    does not. The CPU ratio is plain's median CPU seconds per step over paratrain's (above 1: paratrain does
-   less work per step). Both runners' first losses are recorded (equal: same weights, same batch).
+   less work per step). Both runners' first losses are recorded (equal: same weights, same batch). Which model
+   is allocated first in the process changes the figure by a few per cent (memory placement; a 12-layer
+   probe: with paratrain's model built first its forward/backward took 4% more CPU than plain's, with
+   plain's built first 1% less), so ``--build-first`` says which, and runs alternate it.
 2. **Loading on 2 ranks** (``load``): ``paratrain.setup(build_model(hf:DIR), strategy="zero3")`` (meta
    build, FSDP2 sharding, each rank reads its slices) against ``from_pretrained(DIR)`` on every rank. Per
    rank: wall time and the growth of the process's peak resident memory (``ru_maxrss`` after minus before;
@@ -78,7 +81,9 @@ def make_model_dir(d: Path, layers: int) -> dict[str, Any]:
     return {"num_params": sum(p.numel() for p in model.parameters()), "corpus": str(corpus)}
 
 
-def bench_train(d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: int) -> dict[str, Any]:
+def bench_train(
+    d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: int, first: str = "paratrain"
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -92,14 +97,19 @@ def bench_train(d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: 
         "strategy.name=single", "optimizer.lr=1e-4", "checkpoint.save_at_end=false", "train.progress=false",
     ])  # fmt: skip
     ctx = init(seed=cfg.train.seed)
+
+    def load_plain() -> Any:
+        return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="sdpa")
+
+    plain = load_plain() if first == "plain" else None
     with tempfile.TemporaryDirectory() as run:
         trainer = build_trainer(cfg, ctx, Path(run))
+    plain = plain if plain is not None else load_plain()
     from paratrain.data import DistributedBatchSampler
 
     data = trainer.data.train
     # the same batches in the same order: a second sampler with the trainer's seed
     sampler = DistributedBatchSampler(len(data), batch, 0, 1, seed=cfg.train.seed, shuffle=True)
-    plain = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="sdpa")
     plain.train()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
 
@@ -112,7 +122,7 @@ def bench_train(d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: 
         opt.step()
         return float(loss)
 
-    first = {"paratrain": float(trainer.train_step()), "plain": plain_step()}  # warm-up step each
+    first_loss = {"paratrain": float(trainer.train_step()), "plain": plain_step()}  # warm-up step each
     step = {"paratrain": lambda: float(trainer.train_step()), "plain": plain_step}
     times: dict[str, list[float]] = {"paratrain": [], "plain": []}
     cpu: dict[str, list[float]] = {"paratrain": [], "plain": []}  # process CPU seconds, per step
@@ -140,7 +150,8 @@ def bench_train(d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: 
         "cpu_seconds_per_step_median": cpu_median,
         "cpu_tokens_per_s": {k: batch * seq / v for k, v in cpu_median.items()},
         "paratrain_vs_plain_cpu_ratio": cpu_median["plain"] / cpu_median["paratrain"],
-        "first_loss": first,
+        "first_loss": first_loss,
+        "built_first": first,
         "batch": batch,
         "seq_len": seq,
         "steps_per_round": steps,
@@ -225,6 +236,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-load", action="store_true", help="training only (skip the loading benchmark)")
+    ap.add_argument("--build-first", choices=["paratrain", "plain"], default="paratrain",
+                    help="which model is allocated first in the process (memory placement changes a step's CPU "
+                    "time by a few per cent; alternate it over runs)")  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "hf.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -239,7 +253,7 @@ def main() -> None:
         d = Path(tmp) / "llama-100m"
         made = make_model_dir(d, layers)
         print(f"model: {made['num_params'] / 1e6:.1f} M parameters in {d}", file=sys.stderr)
-        train = bench_train(d, made["corpus"], args.batch, args.seq_len, args.steps, rounds)
+        train = bench_train(d, made["corpus"], args.batch, args.seq_len, args.steps, rounds, args.build_first)
         print(json.dumps(train["tokens_per_s"]), train["paratrain_vs_plain_median_ratio"],
               train["paratrain_vs_plain_cpu_ratio"], file=sys.stderr)  # fmt: skip
         load_mid = os.getloadavg()
