@@ -101,6 +101,8 @@ def test_zero3_plans_the_embedding_and_head_as_units_of_their_own(tmp_path: Path
     from paratrain.plan.stage import Workload
     from paratrain.spec.hardware import PRESETS
 
+    torch = pytest.importorskip("torch")
+
     (tmp_path / "config.json").write_text(json.dumps({**BENCH_LLAMA, "tie_word_embeddings": tied}))
     spec = spec_from_hf_config(tmp_path / "config.json", f"hf:{tmp_path}")
     assert spec.embedding_units is not tied
@@ -114,3 +116,6 @@ def test_zero3_plans_the_embedding_and_head_as_units_of_their_own(tmp_path: Path
     # the launch guard plans the same model (it had only the parameter count of an hf model: states only)
     cfg = RunConfig().override([f"model.name=hf:{tmp_path}"])
     assert run_spec(cfg, None, (64,)) == spec
+    if tied:  # a model type the planner has no shape for: the guard plans its parameter count, as before
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt"}))
+        assert run_spec(cfg, torch.nn.Linear(3, 2), (64,)).num_params == 8

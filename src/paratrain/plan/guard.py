@@ -63,9 +63,12 @@ def run_spec(cfg: RunConfig, meta_model: Any, input_shape: tuple[int, ...]) -> M
     if cfg.model.name.startswith("hf:"):
         from paratrain.plan.hf_config import hf_config_path, spec_from_hf_config
 
-        path = hf_config_path(cfg.model.name)
-        if path is not None:
-            return spec_from_hf_config(path, cfg.model.name)
+        try:
+            path = hf_config_path(cfg.model.name)
+            if path is not None:
+                return spec_from_hf_config(path, cfg.model.name)
+        except ConfigError:  # a model type the planner has no shape for: its states, as below
+            pass
     config = getattr(meta_model, "config", None)
     shape = shape_from_config(config) if config is not None else None
     if shape is not None:
