@@ -337,8 +337,7 @@ def test_builder_injection_and_shape_from_any_config() -> None:
         ),
         (("--params", "1e9", "--gpus", "8", "--batch-size", "12"), "global batch 12"),
         (("--params", "1e9", "--gpu-mem", "80 bananas"), "--gpu-mem"),
-        (("--params", "nan"), "--params must be a positive parameter count"),
-        (("--params", "inf"), "--params must be a positive parameter count"),
+        (("--params", "0"), "--params must be a positive parameter count"),
         (("--params", "1e9", "--gpus", "8", "--gpus-per-node", "0"), "--gpus-per-node must be a positive"),
         (("--params", "1e9", "--nproc-per-node", "0"), "nproc_per_node must be positive"),
         (("--params", "1e9", "--gpus", "8", "--recommend", "--top", "0"), "--top must be at least 1"),
@@ -348,6 +347,16 @@ def test_builder_injection_and_shape_from_any_config() -> None:
 def test_bad_input_is_a_config_error(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         run(cli(*argv, "--json"))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_number_flag_refuses_what_is_not_finite(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner's own number flags are read as train's are (one converter): not a finite number is refused
+    while parsing, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        cli("--params", value)
+    assert e.value.code == 2
+    assert f"argument --params: must be a finite number, got '{value}'" in capsys.readouterr().err
 
 
 def test_units_and_ranges() -> None:

@@ -85,28 +85,37 @@ HAND_FLAGS = {"-h", "--help", "--json", "--config", "--set"}
 )
 def test_every_flag_of_a_command_is_a_config_field(command: list[str]) -> None:
     """Flags come from typed config fields (one generator): a command adds by hand only the flags that set
-    no config value. (``plan``'s own planner flags are listed by it; here only train's must be generated.)"""
+    no config value (``plan`` takes train's fields and its own :class:`PlanConfig`'s)."""
     from paratrain.bench.comm import BenchCommConfig
     from paratrain.bench.scaling import BenchScalingConfig
     from paratrain.cli import make_parser
     from paratrain.config import GenerateConfig, cli_options, command_options
+    from paratrain.plan.options import PlanConfig
 
     parser = make_parser(command)
     for word in command:  # the command's own sub-parser
         sub = next(a for a in parser._actions if a.dest in ("command", "bench_command"))
         parser = sub.choices[word]  # type: ignore[index]
     flags = {s for a in parser._actions for s in a.option_strings}
-    own = {"generate": GenerateConfig, "comm": BenchCommConfig, "scaling": BenchScalingConfig}.get(
-        command[-1]
-    )
+    own = {"generate": GenerateConfig, "comm": BenchCommConfig, "scaling": BenchScalingConfig,
+           "plan": PlanConfig}.get(command[-1])  # fmt: skip
     generated = {f for o in command_options(own) for f in o.flags} if own else set()
     if command[-1] in ("scaling", "train", "plan"):
         generated |= {f for o in cli_options("train") for f in o.flags}
+    assert generated <= flags, sorted(generated - flags)  # every field is a flag
     generated |= {"--no-" + f.removeprefix("--") for f in generated}  # booleans' negative forms
-    if command[-1] == "plan":
-        assert {f for o in cli_options("train") for f in o.flags} <= flags
-        return
     assert flags - generated <= HAND_FLAGS, sorted(flags - generated - HAND_FLAGS)
+
+
+def test_plan_help_lists_every_cluster_preset_and_gpu() -> None:
+    """``--cluster`` and ``--gpu`` name their values in the field docstrings; they must name what the tables hold."""
+    from paratrain.config import command_options
+    from paratrain.plan.options import PlanConfig
+    from paratrain.spec import hardware
+
+    help_of = {o.key: o.help for o in command_options(PlanConfig)}
+    assert all(name in help_of["cluster"] for name in hardware.PRESETS), help_of["cluster"]
+    assert all(g.key in help_of["gpu"] for g in hardware.GPUS if g.key), help_of["gpu"]
 
 
 def test_bench_comm_help_lists_every_collective_and_op() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from paratrain.config import TRAIN, RunConfig, cli_options
+from paratrain.config import TRAIN, RunConfig, add_command_arguments, cli_options, command_config
 from paratrain.config import add_arguments as add_config_arguments
 from paratrain.config import apply_arguments as apply_config_arguments
 from paratrain.errors import ConfigError, suggest
@@ -29,6 +29,7 @@ from paratrain.plan.model import (
     spec_from_shape,
 )
 from paratrain.plan.moe import moe_from_config
+from paratrain.plan.options import PlanConfig
 from paratrain.plan.recommend import recommend, sweep
 from paratrain.plan.report import format_plans, format_sweep
 from paratrain.spec import hardware as cl
@@ -42,7 +43,8 @@ transformers are traced on it."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``paratrain plan``: every ``paratrain train`` flag (generated from the same typed config
     fields, with ``--config`` and ``--set``), so that a train command line with ``train`` replaced by ``plan``
-    plans that run, and the planner's own (the model as a bare count, the cluster, the output)."""
+    plans that run, and the planner's own (:class:`PlanConfig`: the model as a bare count, the cluster, the
+    output), generated the same way."""
     p.add_argument(
         "--config", help="TOML file with [model], [data], [strategy], [optimizer], [train], ... tables"
     )
@@ -50,51 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="set any config field, as train takes it: --set model.dim=8192 model.n_layers=80 "
                    "(several per flag; repeatable)", nargs="+")  # fmt: skip
-    m = p.add_argument_group("planner: model and numerics")
-    m.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9 (model states only)")
-    m.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa drops the a·s² term")
-    m.add_argument("--fp16-mixed", action="store_true",
-                   help="the ZeRO paper's mixed precision: fp16 params and grads + fp32 master, 2+2+12 bytes")  # fmt: skip
-    m.add_argument(
-        "--reduce-fp32",
-        action="store_true",
-        help="FSDP reduces and accumulates gradients in fp32 (torchtitan's mixed_precision_reduce "
-        "default); paratrain's own FSDP reduces in the 16-bit compute dtype",
-    )
-    m.add_argument(
-        "--fp8-all-gather",
-        action="store_true",
-        help="FSDP gathers the layers' linear weights in float8 (torchao Float8Linear with "
-        "enable_fsdp_float8_all_gather, as torchtitan's Float8 runs): 1-byte unsharded weights",
-    )
-    m.add_argument("--fp8", action="store_true",
-                   help="Float8 linears (torchao Float8Linear, torchtitan's [float8]): the layers' matmuls at the "
-                   "GPU's fp8 peak, attention and the output layer at 16-bit; time only")  # fmt: skip
-    m.add_argument("--moe-overload", type=float, default=1.0,
-                   help="MoE: routed rows on the busiest rank over the mean (activations; default 1)")  # fmt: skip
-    c = p.add_argument_group("planner: cluster")
-    c.add_argument("--cluster", help=f"preset: {', '.join(cl.PRESETS)} (default h100-nvlink-ib)")
-    c.add_argument("--gpu", help="swap the preset's GPU: " + ", ".join(g.key for g in cl.GPUS if g.key)
-                   + " (memory and peak FLOP/s at the precision, from each data sheet)")  # fmt: skip
-    c.add_argument("--calibrate", metavar="FILE", help="fit α, β from `paratrain bench comm --json` output")
-    c.add_argument("--gpus", type=int, help="total GPUs (ranks); default --nnodes x --nproc-per-node")
-    c.add_argument("--gpus-per-node", type=int, help="GPUs per node")
-    c.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB (1e9) or 80GiB")
-    c.add_argument("--gpu-flops", help="peak FLOP/s per GPU, e.g. 989e12")
-    c.add_argument("--intra-bw", help="intra-node bandwidth per GPU, e.g. 450GB/s")
-    c.add_argument("--inter-bw", help="inter-node bandwidth per GPU, e.g. 400Gb/s")
-    c.add_argument("--intra-latency", help="intra-node latency, e.g. 5us")
-    c.add_argument("--inter-latency", help="inter-node latency, e.g. 10us")
-    c.add_argument("--efficiency", type=float,
-                   help="fraction of peak FLOP/s achieved (default: calibrated per GPU and precision, docs/plan.md)")  # fmt: skip
-    o = p.add_argument_group("planner: output")
-    o.add_argument("--recommend", action="store_true", help="search and rank every valid layout")
-    o.add_argument(
-        "--sweep-gpus", metavar="RANGE", help="best layout per GPU count: 8..4096 (x2) or 8,64,512"
-    )
-    o.add_argument("--top", type=int, default=5, help="layouts --recommend prints (default 5)")
-    o.add_argument("--json", action="store_true", help="print one JSON object")
-    o.add_argument("--plot", metavar="PNG", help="bytes per rank by component, and the time breakdown")
+    add_command_arguments(p, PlanConfig)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 @dataclass(frozen=True)
@@ -360,18 +319,18 @@ def cluster_from(
         changes["efficiency"] = args.efficiency
     elif not c.on_cpu:
         calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c),
-                                           compiled=req.cfg.train.compile, fp8=getattr(args, "fp8", False))  # fmt: skip
+                                           compiled=req.cfg.train.compile, fp8=args.fp8)  # fmt: skip
         if calibrated is not None:
             changes["efficiency"] = calibrated
     out = replace(c, **changes) if changes else c
-    if getattr(args, "fp8", False) and not out.fp8_flops:
+    if args.fp8 and not out.fp8_flops:
         raise ConfigError(f"--fp8: {out.name} has no fp8 tensor cores in its data sheet (fp8 peak unknown); "
                           "drop --fp8, or plan a GPU that has them: --gpu h100, h200, b200 or mi300x.")  # fmt: skip
     return out
 
 
 def _precision(args: argparse.Namespace, req: Request, c: cl.Cluster) -> str:
-    if getattr(args, "fp16_mixed", False):
+    if args.fp16_mixed:
         return "fp16-mixed"
     given = req.value("train.precision")
     return given or ("fp32" if c.name.startswith("cpu-local") else "bf16")
@@ -384,11 +343,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
     notes = notes if notes is not None else []
     cfg = req.cfg
     precision = _precision(args, req, c)
-    if (
-        not req.has("train.precision")
-        and not getattr(args, "fp16_mixed", False)
-        and precision != cfg.train.precision
-    ):
+    if not req.has("train.precision") and not args.fp16_mixed and precision != cfg.train.precision:
         notes.append(f"precision {precision} assumed on {c.name} (train's default is {cfg.train.precision}; "
                      "give --precision to plan another)")  # fmt: skip
     if cfg.train.compile:
@@ -405,8 +360,8 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         offload=cfg.strategy.offload, attention=args.attention, sequence_parallel=cfg.strategy.sequence_parallel,
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
-        reduce_fp32=getattr(args, "reduce_fp32", False), fp8_all_gather=getattr(args, "fp8_all_gather", False),
-        fp8=getattr(args, "fp8", False), compile=cfg.train.compile,
+        reduce_fp32=args.reduce_fp32, fp8_all_gather=args.fp8_all_gather,
+        fp8=args.fp8, compile=cfg.train.compile,
     )  # fmt: skip
 
 
@@ -433,6 +388,7 @@ def parse_gpu_range(text: str) -> list[int]:
 
 def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -> dict[str, Any]:
     """The result object ``paratrain plan`` prints (plan, recommend or sweep). Raises ConfigError."""
+    command_config(PlanConfig, args)
     req = request_from(args)
     degrees = {k: req.value(f"strategy.{k}") for k in ("tp", "pp", "dp_shard", "dp_replicate")}
     strategy = req.value("strategy.name")
@@ -464,8 +420,7 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
 
 def run(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -> int:
     """Run ``paratrain plan``; returns the exit code. ConfigError propagates (the CLI prints it, exit 2)."""
-    if args.top < 1:
-        raise ConfigError(f"--top must be at least 1 (layouts to print), got {args.top}.")
+    command_config(PlanConfig, args)  # checks the planner's own options first
     if args.plot is not None:
         from pathlib import Path
 
