@@ -48,6 +48,7 @@ def early_checks(cfg: RunConfig) -> None:
     when the world size is known without asking for GPUs (``--nproc-per-node`` or ``--device cpu``, a fixed
     ``--nnodes``), the strategy's degrees and the batch split."""
     from paratrain.spec import strategies as specs
+    from paratrain.spec.capabilities import check_model_axes
     from paratrain.spec.catalog import check_names
     from paratrain.spec.refusals import check
 
@@ -62,6 +63,7 @@ def early_checks(cfg: RunConfig) -> None:
         return
     world = nproc * int(launch.nnodes)
     topology = check(name, world, cfg.strategy, nproc)
+    check_model_axes(cfg.model.name, cfg.model.n_experts, topology)
     cfg.validate(world, topology.dp_size)
 
 

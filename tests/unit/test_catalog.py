@@ -50,6 +50,16 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
         assert main(["train", "--model", "hf:/nowhere/llama", "--data", "python-stdlib"]) == 2
         assert main(["ckpt", "inspect", "runs/nowhere"]) == 2 and main(["ckpt", "export", "runs/nowhere", "o"]) == 2
         assert main(["generate", "--ckpt", "runs/nowhere", "--prompt", "x"]) == 2
+        # a model-parallel strategy on a model that cannot split that way (the launch-time checks' words)
+        for model, strategy in (("mlp", "tp"), ("cnn", "pp"), ("resnet18", "fsdp+ep"), ("llama-debug", "ep")):
+            assert main(["train", "--model", model, "--strategy", strategy, "--nproc-per-node", "2",
+                         "--data", "python-stdlib" if model.startswith("llama") else "digits"]) == 2
+        import json, tempfile
+        opt = tempfile.mkdtemp()
+        with open(opt + "/config.json", "w") as f:
+            json.dump({"model_type": "opt", "architectures": ["OPTForCausalLM"]}, f)
+        assert main(["train", "--model", "hf:" + opt, "--strategy", "tp", "--nproc-per-node", "2"]) == 2
+        assert main(["train", "--model", "hf:" + opt, "--strategy", "pp", "--nproc-per-node", "2"]) == 2
         assert "torch" not in sys.modules
         """
     )
@@ -66,7 +76,7 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
         "paratrain train: error: unknown dataset 'synthetic'. Choose one of: cifar10"
     )
     assert (
-        len(refusals) == 10 and "train.steps must be positive" in refusals[2]
+        len(refusals) == 16 and "train.steps must be positive" in refusals[2]
     )  # NAME:PATH, module:attr pass
     assert refusals[3] == (
         "paratrain train: error: --data mnist:/nowhere/mnist: '/nowhere/mnist' does not exist. Pass the folder "
@@ -77,6 +87,28 @@ def test_models_and_datasets_commands_need_no_torch() -> None:
     assert "--model hf:/nowhere/llama: /nowhere/llama is not a directory." in refusals[6]
     assert refusals[7].startswith("paratrain ckpt: error: runs/nowhere does not exist. Give a run directory")
     assert refusals[9].startswith("paratrain generate: error: --ckpt runs/nowhere does not exist.")
+    assert refusals[10] == (
+        "paratrain train: error: tensor parallelism needs a model with a TP plan; MLP has none (the Llama models "
+        "have one: --model llama-debug, llama-small). From Python, pass setup(..., tp_plan=...)."
+    )
+    assert refusals[11] == (
+        "paratrain train: error: pipeline parallelism needs a model that can be split into stages; CNN cannot "
+        "(the Llama models can: --model llama-debug, llama-small)."
+    )
+    no_moe = (
+        "paratrain train: error: expert parallelism (--ep 2) splits the experts of a mixture-of-experts model, "
+        "and {} has no MoE layer. Use an MoE model (--model llama-moe-debug, llama-moe-small, or --set "
+        "model.n_experts=8), or a strategy without ep (ddp, zero3)."
+    )
+    assert refusals[12:14] == [no_moe.format("ResNet"), no_moe.format("Llama")]
+    assert refusals[14].startswith(
+        "paratrain train: error: tensor parallelism (strategy tp, fsdp+tp or fsdp+tp+pp, --tp 2) is not "
+        "supported for OPTForCausalLM: paratrain has tensor-parallel plans for LlamaForCausalLM"
+    )
+    assert refusals[15].startswith(
+        "paratrain train: error: pipeline parallelism (strategy pp, fsdp+pp or fsdp+tp+pp) is not supported "
+        "for OPTForCausalLM"
+    )
 
 
 def _raises(seed: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.spec.capabilities import HF_PP_ARCHITECTURES, HF_TP_ARCHITECTURES
 
 __all__ = [
     "DIR_ATTR",
@@ -21,12 +22,10 @@ DIR_ATTR = "_paratrain_hf_dir"
 """Instance attribute: the directory whose weights the (meta) model still has to load."""
 HF_CLASS_ATTR = "_paratrain_hf_class"
 """Instance attribute: the original ``transformers`` class (for ``generate`` and export)."""
-TP_ARCHITECTURES = (
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel"
-)  # fmt: skip
-"""Architectures with a tensor-parallel plan (the config's ``base_model_tp_plan``, GPT-2's own, plus the
-embedding and the head)."""
-PP_ARCHITECTURES = TP_ARCHITECTURES
+TP_ARCHITECTURES = HF_TP_ARCHITECTURES
+"""Architectures with a tensor-parallel plan (the names live in :mod:`paratrain.spec.capabilities`, which
+``paratrain train`` reads before torch is imported)."""
+PP_ARCHITECTURES = HF_PP_ARCHITECTURES
 """Architectures that can be cut into pipeline stages."""
 
 
