@@ -228,6 +228,23 @@ def bench_load(d: Path, world: int) -> dict[str, Any]:
     return {"world_size": world, "per_rank": out}
 
 
+def conditions(load_before: Any, **extra: Any) -> dict[str, Any]:
+    """The host, versions and load of a run (both HF benchmarks store this); ``extra`` adds fields."""
+    import torch
+    import transformers
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads_per_process": 1,
+        "load_average_before": load_before,
+        **extra,
+        "load_average_after": os.getloadavg(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -243,7 +260,6 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
-    import transformers
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -261,17 +277,7 @@ def main() -> None:
     result = {
         "benchmark": "bench_hf",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "conditions": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads_per_process": 1,
-            "load_average_before": load_before,
-            "load_average_after_train": load_mid,
-            "load_average_after": os.getloadavg(),
-            "note": "CPU shared with other engineers' jobs while measured",
-        },
+        "conditions": conditions(load_before, load_average_after_train=load_mid),
         "model": {"arch": "LlamaForCausalLM", "layers": layers, "num_params": made["num_params"]},
         "train_single_process": train,
         "load": load,

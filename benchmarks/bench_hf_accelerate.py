@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -142,9 +141,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import accelerate
-    import torch
-    import transformers
-    from bench_hf import make_model_dir
+    from bench_hf import conditions, make_model_dir
 
     from paratrain.testing import run_distributed
 
@@ -168,19 +165,9 @@ def main() -> None:
     result = {
         "benchmark": "bench_hf_accelerate",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "conditions": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__,
-            "world_size": 2,
-            "backend": "gloo",
-            "threads_per_process": 1,
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "note": "CPU shared with other engineers' jobs while measured",
-        },
+        "conditions": conditions(
+            load_before, accelerate=accelerate.__version__, world_size=2, backend="gloo"
+        ),
         "model": {"arch": "LlamaForCausalLM", "layers": layers, "num_params": made["num_params"]},
         "global_batch": args.batch,
         "seq_len": args.seq_len,
