@@ -30,6 +30,7 @@ from paratrain.errors import ConfigError
 from paratrain.models.hf_arch import architecture, decoder_layers
 from paratrain.models.hf_tp import Conv1DColwise, Conv1DRowwise, GPT2FusedQKV, GradAllReduce
 from paratrain.models.llama_parallel import split_layers
+from paratrain.spec.capabilities import hf_no_pp, hf_no_tp
 
 __all__ = [
     "check_pipeline",
@@ -79,26 +80,12 @@ def check_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
 
 def refuse_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
     """Tensor parallelism of an architecture without a plan here: refused, naming both."""
-    from paratrain.models.hf_arch import TP_ARCHITECTURES
-
-    raise ConfigError(
-        f"tensor parallelism (strategy tp, fsdp+tp or fsdp+tp+pp, --tp {tp}) is not supported for "
-        f"{architecture(model)}: paratrain has tensor-parallel plans for {', '.join(TP_ARCHITECTURES)}. Use a "
-        "data-parallel strategy (ddp, zero1/2/3, hsdp)"
-        + (", pp or fsdp+pp" if _can_pipeline(model) else "")
-        + " for this model."
-    )
+    raise ConfigError(hf_no_tp(architecture(model), tp, _can_pipeline(model)))
 
 
 def refuse_pp(model: nn.Module, num_stages: int) -> None:
     """Pipeline parallelism of an architecture without a stage split here: refused, naming both."""
-    from paratrain.models.hf_arch import PP_ARCHITECTURES
-
-    raise ConfigError(
-        f"pipeline parallelism (strategy pp, fsdp+pp or fsdp+tp+pp) is not supported for {architecture(model)}: "
-        f"paratrain splits {', '.join(PP_ARCHITECTURES)} into stages. Use a data-parallel strategy (ddp, "
-        "zero1/2/3, hsdp) for this model."
-    )
+    raise ConfigError(hf_no_pp(architecture(model)))
 
 
 def _can_pipeline(model: nn.Module) -> bool:

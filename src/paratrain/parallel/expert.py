@@ -64,6 +64,7 @@ from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn, Strategy
 from paratrain.parallel.tensor import ModelParallel, _TensorParallel
+from paratrain.spec.capabilities import no_moe_layer
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -287,11 +288,7 @@ def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> 
     ``ep`` borrows from; the degrees suggested divide them too)."""
     layers = expert_layers(model)
     if not layers:
-        raise ConfigError(
-            f"expert parallelism (--ep {ep}) splits the experts of a mixture-of-experts model, and "
-            f"{type(model).__name__} has no MoE layer. Use an MoE model (--model llama-moe-debug, "
-            "llama-moe-small, or --set model.n_experts=8), or a strategy without ep (ddp, zero3)."
-        )
+        raise ConfigError(no_moe_layer(type(model).__name__, ep))
     n = layers[0].n_experts
     if n % ep:
         divisors = [d for d in range(2, n + 1) if n % d == 0 and (ranks is None or ranks % d == 0)]

@@ -54,6 +54,7 @@ from paratrain.parallel.optim import canonical_name, clone_optimizer, parameter_
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn, to_device
 from paratrain.parallel.tensor import ModelParallel
+from paratrain.spec.capabilities import no_stage_split
 
 if TYPE_CHECKING:
     from paratrain.data.batch import Batch
@@ -141,10 +142,7 @@ def _model_spec(model: nn.Module) -> ModelSpec:
         if spec is not None and spec.check_pipeline is not None:
             spec.check_pipeline(model, 0)  # a family that cannot be split may refuse in its own words
         family = f" (model family {spec.family!r})" if spec is not None else ""
-        raise ConfigError(
-            f"pipeline parallelism needs a model that can be split into stages; {type(model).__name__}{family} "
-            "cannot (the Llama models can: --model llama-debug, llama-small)."
-        )
+        raise ConfigError(no_stage_split(f"{type(model).__name__}{family}"))
     return spec
 
 

@@ -56,6 +56,7 @@ from paratrain.parallel.grads import (
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn, Strategy, to_device
+from paratrain.spec.capabilities import no_tp_plan
 
 if TYPE_CHECKING:
     from paratrain.data.batch import Batch
@@ -90,10 +91,7 @@ def check_model_tp(model: nn.Module, tp: int, ranks: int | None = None) -> None:
         spec.check_tp(model, tp, ranks)  # a family without a plan may refuse in its own words
     if spec is None or spec.tp_plan is None:
         family = f" (model family {spec.family!r})" if spec is not None else ""
-        raise ConfigError(
-            f"tensor parallelism needs a model with a TP plan; {type(model).__name__}{family} has none (the "
-            "Llama models have one: --model llama-debug, llama-small). From Python, pass setup(..., tp_plan=...)."
-        )
+        raise ConfigError(no_tp_plan(f"{type(model).__name__}{family}"))
     if spec.check_tp is not None:
         spec.check_tp(model, tp, ranks)
 

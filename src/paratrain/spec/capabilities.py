@@ -75,6 +75,49 @@ def _hf_architecture(d: Path) -> str | None:
     return arch if isinstance(arch, str) and arch.endswith(_HF_CAUSAL_SUFFIXES) else None
 
 
+def no_tp_plan(name: str) -> str:
+    """The refusal of tensor parallelism on a model without a TP plan (``name``: its class, as users see it)."""
+    return (
+        f"tensor parallelism needs a model with a TP plan; {name} has none (the Llama models have one: "
+        "--model llama-debug, llama-small). From Python, pass setup(..., tp_plan=...)."
+    )
+
+
+def no_stage_split(name: str) -> str:
+    """The refusal of pipeline parallelism on a model that cannot be cut into stages."""
+    return (
+        f"pipeline parallelism needs a model that can be split into stages; {name} cannot (the Llama models "
+        "can: --model llama-debug, llama-small)."
+    )
+
+
+def no_moe_layer(name: str, ep: int) -> str:
+    """The refusal of expert parallelism on a model without MoE layers."""
+    return (
+        f"expert parallelism (--ep {ep}) splits the experts of a mixture-of-experts model, and {name} has no "
+        "MoE layer. Use an MoE model (--model llama-moe-debug, llama-moe-small, or --set model.n_experts=8), "
+        "or a strategy without ep (ddp, zero3)."
+    )
+
+
+def hf_no_tp(arch: str, tp: int, can_pipeline: bool) -> str:
+    """The refusal of tensor parallelism on a Hugging Face architecture without a plan here."""
+    return (
+        f"tensor parallelism (strategy tp, fsdp+tp or fsdp+tp+pp, --tp {tp}) is not supported for {arch}: "
+        f"paratrain has tensor-parallel plans for {', '.join(HF_TP_ARCHITECTURES)}. Use a data-parallel "
+        "strategy (ddp, zero1/2/3, hsdp)" + (", pp or fsdp+pp" if can_pipeline else "") + " for this model."
+    )
+
+
+def hf_no_pp(arch: str) -> str:
+    """The refusal of pipeline parallelism on a Hugging Face architecture without a stage split here."""
+    return (
+        f"pipeline parallelism (strategy pp, fsdp+pp or fsdp+tp+pp) is not supported for {arch}: paratrain "
+        f"splits {', '.join(HF_PP_ARCHITECTURES)} into stages. Use a data-parallel strategy (ddp, zero1/2/3, "
+        "hsdp) for this model."
+    )
+
+
 def check_model_axes(model: str, n_experts: int | None, topology: Topology) -> None:
     """Refuse a tensor, pipeline or expert degree above 1 on a built-in model that cannot split that way, in
     the order and words of the launch-time checks (tensor, pipeline, then experts)."""
@@ -82,31 +125,8 @@ def check_model_axes(model: str, n_experts: int | None, topology: Topology) -> N
     if caps is None:
         return
     if topology.tp > 1 and not caps.tp:
-        if caps.hf:
-            raise ConfigError(
-                f"tensor parallelism (strategy tp, fsdp+tp or fsdp+tp+pp, --tp {topology.tp}) is not supported "
-                f"for {caps.cls}: paratrain has tensor-parallel plans for {', '.join(HF_TP_ARCHITECTURES)}. Use "
-                "a data-parallel strategy (ddp, zero1/2/3, hsdp)" + (", pp or fsdp+pp" if caps.pp else "")
-                + " for this model."
-            )  # fmt: skip
-        raise ConfigError(
-            f"tensor parallelism needs a model with a TP plan; {caps.cls} has none (the "
-            "Llama models have one: --model llama-debug, llama-small). From Python, pass setup(..., tp_plan=...)."
-        )
+        raise ConfigError(hf_no_tp(caps.cls, topology.tp, caps.pp) if caps.hf else no_tp_plan(caps.cls))
     if topology.pp > 1 and not caps.pp:
-        if caps.hf:
-            raise ConfigError(
-                f"pipeline parallelism (strategy pp, fsdp+pp or fsdp+tp+pp) is not supported for {caps.cls}: "
-                f"paratrain splits {', '.join(HF_PP_ARCHITECTURES)} into stages. Use a data-parallel strategy "
-                "(ddp, zero1/2/3, hsdp) for this model."
-            )
-        raise ConfigError(
-            f"pipeline parallelism needs a model that can be split into stages; {caps.cls} "
-            "cannot (the Llama models can: --model llama-debug, llama-small)."
-        )
+        raise ConfigError(hf_no_pp(caps.cls) if caps.hf else no_stage_split(caps.cls))
     if topology.ep > 1 and not caps.ep and not caps.hf:
-        raise ConfigError(
-            f"expert parallelism (--ep {topology.ep}) splits the experts of a mixture-of-experts model, and "
-            f"{caps.cls} has no MoE layer. Use an MoE model (--model llama-moe-debug, "
-            "llama-moe-small, or --set model.n_experts=8), or a strategy without ep (ddp, zero3)."
-        )
+        raise ConfigError(no_moe_layer(caps.cls, topology.ep))
