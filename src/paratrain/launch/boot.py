@@ -68,8 +68,9 @@ def guard() -> None:
 
 
 QUIET_MAIN = (
-    "import os, runpy, sys\n"
+    "import os, runpy, signal, sys\n"
     "sys.argv = sys.argv[1:]\n"
+    "signal.signal(signal.SIGINT, lambda *_: os._exit(130))\n"
     "try:\n"
     "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
     "except KeyboardInterrupt:\n"
@@ -77,7 +78,9 @@ QUIET_MAIN = (
 )
 """``python -c QUIET_MAIN MODULE ARGS`` runs ``python -m MODULE ARGS`` but exits 130 without a traceback on
 Ctrl-C: the terminal's SIGINT reaches every worker of the process group, often while it imports torch, and
-the launcher reports the interruption once."""
+the launcher reports the interruption once. Until the worker restores Python's handler (once its process
+group is up, so that cleanup runs from there on), SIGINT exits at once: a KeyboardInterrupt raised inside a
+C++ callback of torch's start-up aborts the process with a C++ message instead."""
 
 QUIET_MODULES = ("paratrain.train.worker",)
 """Worker modules started as ``-c QUIET_MAIN`` (``paratrain train``'s; a user's script keeps Python's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = config_path.parent
     ctx = init(cfg.launch.backend, cfg.launch.device, cfg.launch.timeout_s, cfg.train.seed)
     install_rank_log(ctx, run_dir)  # RUN_DIR/logs/rank{r}.log: log lines, stderr, the uncaught error
+    # start-up is done: Ctrl-C raises KeyboardInterrupt again, so the finally blocks below clean up
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = train(cfg, ctx, run_dir)
         if ctx.is_main:
