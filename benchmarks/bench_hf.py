@@ -82,8 +82,9 @@ def make_model_dir(d: Path, layers: int) -> dict[str, Any]:
 
 
 def bench_train(
-    d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: int, first: str = "paratrain"
-) -> dict[str, Any]:
+    d: Path, corpus: str, batch: int, seq: int, steps: int, rounds: int, first: str = "paratrain",
+    impl: str = "auto", reference_impl: str = "for-loop",
+) -> dict[str, Any]:  # fmt: skip
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -95,6 +96,7 @@ def bench_train(
         f"model.name=hf:{d}", "data.name=text", f"data.path={corpus}", f"data.tokenizer=hf:{d}",
         f"data.seq_len={seq}", f"train.batch_size={batch}", f"train.steps={steps * rounds + 1}",
         "strategy.name=single", "optimizer.lr=1e-4", "checkpoint.save_at_end=false", "train.progress=false",
+        f"optimizer.implementation={impl}",
     ])  # fmt: skip
     ctx = init(seed=cfg.train.seed)
 
@@ -111,7 +113,8 @@ def bench_train(
     # the same batches in the same order: a second sampler with the trainer's seed
     sampler = DistributedBatchSampler(len(data), batch, 0, 1, seed=cfg.train.seed, shuffle=True)
     plain.train()
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0,
+                            fused=reference_impl == "fused")  # fmt: skip
 
     def plain_step() -> float:
         b = data.batch(sampler.next_batch())
@@ -152,6 +155,7 @@ def bench_train(
         "paratrain_vs_plain_cpu_ratio": cpu_median["plain"] / cpu_median["paratrain"],
         "first_loss": first_loss,
         "built_first": first,
+        "optimizer_implementation": {"paratrain": trainer.optimizer_implementation, "plain": reference_impl},
         "batch": batch,
         "seq_len": seq,
         "steps_per_round": steps,
@@ -256,6 +260,18 @@ def main() -> None:
     ap.add_argument("--build-first", choices=["paratrain", "plain"], default="paratrain",
                     help="which model is allocated first in the process (memory placement changes a step's CPU "
                     "time by a few per cent; alternate it over runs)")  # fmt: skip
+    ap.add_argument(
+        "--paratrain-optimizer",
+        choices=["auto", "for-loop", "fused"],
+        default="auto",
+        help="paratrain's optimizer.implementation (auto: its default, torch's fused AdamW)",
+    )
+    ap.add_argument(
+        "--reference-optimizer",
+        choices=["for-loop", "fused"],
+        default="for-loop",
+        help="the plain loop's AdamW: torch's CPU default (for-loop) or fused=True",
+    )
     ap.add_argument("--out", default=str(RESULTS / "hf.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -269,7 +285,8 @@ def main() -> None:
         d = Path(tmp) / "llama-100m"
         made = make_model_dir(d, layers)
         print(f"model: {made['num_params'] / 1e6:.1f} M parameters in {d}", file=sys.stderr)
-        train = bench_train(d, made["corpus"], args.batch, args.seq_len, args.steps, rounds, args.build_first)
+        train = bench_train(d, made["corpus"], args.batch, args.seq_len, args.steps, rounds, args.build_first,
+                            args.paratrain_optimizer, args.reference_optimizer)  # fmt: skip
         print(json.dumps(train["tokens_per_s"]), train["paratrain_vs_plain_median_ratio"],
               train["paratrain_vs_plain_cpu_ratio"], file=sys.stderr)  # fmt: skip
         load_mid = os.getloadavg()

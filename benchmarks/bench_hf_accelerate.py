@@ -44,7 +44,7 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _accelerate_model(d: str, lr: float) -> tuple[Any, Any, Any]:
+def _accelerate_model(d: str, lr: float, fused: bool) -> tuple[Any, Any, Any]:
     import torch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
@@ -61,14 +61,15 @@ def _accelerate_model(d: str, lr: float) -> tuple[Any, Any, Any]:
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0, fused=fused)
     model, opt = accelerator.prepare(model, opt)
     return accelerator, model, opt
 
 
 def _race(
-    d: str, run: str, corpus: str, batch: int, seq: int, steps: int, rounds: int, lr: float
-) -> dict[str, Any]:
+    d: str, run: str, corpus: str, batch: int, seq: int, steps: int, rounds: int, lr: float, impl: str,
+    reference_impl: str,
+) -> dict[str, Any]:  # fmt: skip
     import torch
     import torch.distributed as dist
 
@@ -82,13 +83,14 @@ def _race(
         f"model.name=hf:{d}", "data.name=text", f"data.path={corpus}", f"data.tokenizer=hf:{d}",
         f"data.seq_len={seq}", f"train.batch_size={batch}", f"train.steps={steps * rounds + 1}",
         "strategy.name=zero3", f"optimizer.lr={lr}", "checkpoint.save_at_end=false", "train.progress=false",
+        f"optimizer.implementation={impl}",
     ])  # fmt: skip
     ctx = init(seed=cfg.train.seed)
     trainer = build_trainer(cfg, ctx, Path(run))
     rank, world = dist.get_rank(), dist.get_world_size()
     data = trainer.data.train
     sampler = DistributedBatchSampler(len(data), batch, rank, world, seed=cfg.train.seed, shuffle=True)
-    accelerator, model, opt = _accelerate_model(d, lr)
+    accelerator, model, opt = _accelerate_model(d, lr, reference_impl == "fused")
     model.train()
 
     def accelerate_step() -> torch.Tensor:
@@ -125,7 +127,9 @@ def _race(
         dist.all_reduce(t)
         mean[name] = (t / world).tolist()
     return {"round_seconds": times, "losses": mean, "num_params": trainer.num_params,
-            "cpu_seconds_per_step": cpu, "thread_seconds_per_step": thread}  # fmt: skip
+            "cpu_seconds_per_step": cpu, "thread_seconds_per_step": thread,
+            "optimizer_implementation": {"paratrain": trainer.optimizer_implementation,
+                                         "accelerate": reference_impl}}  # fmt: skip
 
 
 def main() -> None:
@@ -136,6 +140,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument(
+        "--paratrain-optimizer",
+        choices=["auto", "for-loop", "fused"],
+        default="auto",
+        help="paratrain's optimizer.implementation (auto: its default, torch's fused AdamW)",
+    )
+    ap.add_argument(
+        "--reference-optimizer",
+        choices=["for-loop", "fused"],
+        default="for-loop",
+        help="the Accelerate script's AdamW: torch's CPU default (for-loop) or fused=True",
+    )
     ap.add_argument("--out", default=str(RESULTS / "hf_accelerate.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -153,7 +169,8 @@ def main() -> None:
         made = make_model_dir(d, layers)
         print(f"model: {made['num_params'] / 1e6:.1f} M parameters in {d}", file=sys.stderr)
         per_rank = run_distributed(
-            _race, 2, args=(str(d), str(Path(tmp) / "run"), made["corpus"], args.batch, args.seq_len, args.steps, rounds, args.lr),
+            _race, 2, args=(str(d), str(Path(tmp) / "run"), made["corpus"], args.batch, args.seq_len, args.steps, rounds, args.lr,
+                            args.paratrain_optimizer, args.reference_optimizer),
             timeout_s=3000,
         )  # fmt: skip
     got = per_rank[0]
@@ -182,6 +199,7 @@ def main() -> None:
         "cpu_seconds_per_step_median_per_rank": cpu,
         "paratrain_vs_accelerate_cpu_ratio_per_rank": [c["accelerate"] / c["paratrain"] for c in cpu],
         "losses": got["losses"],
+        "optimizer_implementation": got["optimizer_implementation"],
         "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lp, la, strict=True)),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -234,9 +234,11 @@ class _Dirs(dict):  # type: ignore[type-arg]
     def __missing__(self, name: str) -> Path:
         from tests._hf_models import make_hf_dir
 
-        arch, over = (name[:-1], {"num_hidden_layers": 4}) if name.endswith("4") else (name, {})
-        if name.endswith("_tied"):  # one matrix for the input embedding and the head
-            arch, over = name[: -len("_tied")], {"tie_word_embeddings": True}
+        arch, over = name, {}
+        if arch.endswith("_tied"):  # one matrix for the input embedding and the head
+            arch, over = arch[: -len("_tied")], {"tie_word_embeddings": True}
+        if arch.endswith("4"):
+            arch, over = arch[:-1], {**over, "num_hidden_layers": 4}
         self[name] = make_hf_dir(self.root / name, arch, **over)
         return self[name]
 
@@ -306,6 +308,8 @@ def test_hf_architectures_match_transformers_at_2_ranks(dist_run: Any, hf_dirs: 
         (gpt2, "pp", {"pp_schedule": "1f1b", "microbatches": 2}),
         (str(hf_dirs["qwen3"]), "pp", {"pp_schedule": "gpipe"}),
         (str(hf_dirs["mistral4"]), "pp", {"pp_schedule": "interleaved-1f1b"}),
+        # tied, interleaved: the matrix is on rank 0's first and rank 1's last virtual stage
+        (str(hf_dirs["llama4_tied"]), "pp", {"pp_schedule": "interleaved-1f1b"}),
     ]
     per_rank = dist_run(_all_cases, 2, cases, timeout_s=390)
     _check(cases, per_rank)
@@ -324,6 +328,7 @@ def test_hf_strategies_match_transformers_at_4_ranks(dist_run: Any, hf_dirs: dic
         (str(hf_dirs["qwen2"]), "fsdp+pp", {"pp": 2, "pp_schedule": "1f1b"}),
         (gpt2, "fsdp+pp", {"pp": 2, "pp_schedule": "gpipe"}),
         (str(hf_dirs["llama_tied"]), "fsdp+pp", {"pp": 2, "pp_schedule": "1f1b"}),
+        (str(hf_dirs["llama_tied"]), "fsdp+tp+pp", {"tp": 2, "pp": 2, "pp_schedule": "1f1b"}),
     ]
     per_rank = dist_run(_all_cases, 4, cases, timeout_s=390)
     _check(cases, per_rank)

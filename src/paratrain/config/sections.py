@@ -224,6 +224,12 @@ class OptimizerConfig:
     """Adam betas, each in [0, 1)."""
     grad_clip: float | None = None
     """Clip gradients to this global L2 norm (computed across all ranks and shards). ``None``: no clipping."""
+    implementation: str = choice("auto", ("auto", "for-loop", "foreach", "fused"))
+    """How torch runs the update (torchtitan's names): ``fused`` (one kernel over every parameter, CPU and
+    CUDA), ``foreach`` (batched per-op kernels), ``for-loop`` (one tensor at a time, torch's CPU default).
+    ``auto`` (default): ``fused`` where torch's fused kernel takes the run's parameters, else torch's own
+    default. The results differ from the other implementations by float rounding only (about 1e-7 relative
+    per step)."""
     schedule: str = choice("constant", ("constant", "cosine"))
     """Learning-rate schedule: ``constant`` or ``cosine`` (with ``warmup_steps`` of linear warm-up)."""
     warmup_steps: int = 0

@@ -211,6 +211,7 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
         describe_teardown,
         grace_s,
         guarded_backend,
+        stop_children,
     )
     from paratrain.runtime import NO_RESTART_ENV
 
@@ -246,6 +247,14 @@ def run(entry: list[str], launch: LaunchConfig, quiet: bool = True) -> dict[int,
         sig = signal.Signals(e.sigval)
         code = 130 if sig == signal.SIGINT else 1
         raise LaunchError(describe_teardown(sig, stop, config.shutdown_timeout), exit_code=code) from None
+    except KeyboardInterrupt:
+        # Ctrl-C before torch's agent handles SIGINT itself (it does once the workers' process context is
+        # set up): workers already spawned run in sessions of their own, and the agent's log-tailing threads,
+        # which the interpreter joins at exit, wait for them. They are stopped here, so the launcher exits.
+        stop_children(config.shutdown_timeout)
+        raise LaunchError(
+            describe_teardown(signal.SIGINT, stop, config.shutdown_timeout), exit_code=130
+        ) from None
     finally:
         watch.close()
         stop.restore()

@@ -270,6 +270,24 @@ def _live_child_pids(pid: int) -> list[int]:
     return [child for child in child_pids(pid) if pid_alive(child)]
 
 
+def stop_children(timeout_s: float) -> None:
+    """SIGINT this process's running children (as torch's teardown after Ctrl-C does), then SIGKILL those
+    still running after ``timeout_s``."""
+    children = _live_child_pids(os.getpid())
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        for pid in children:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (timeout_s if sig == signal.SIGINT else 5.0)
+        while children and time.monotonic() < deadline:
+            time.sleep(0.05)
+            children = _live_child_pids(os.getpid())
+        if not children:
+            return
+
+
 def grace_s(timeout_s: float) -> float:
     """How long the workers get to save and exit after SIGTERM/SIGUSR1 before the agent tears them down:
     ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` if set, else the process-group timeout (a worker that has not stopped

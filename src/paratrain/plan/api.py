@@ -269,7 +269,9 @@ def ep_plans(spec: Any, cluster: Any, w: Any, strategy: str | None, ep: int | No
             raise ConfigError(f"strategy {name!r} splits the experts over an ep axis; give --ep 2 or more.")
         check_ep(moe, degree, stage_ranks, spec.name)
         assert moe is not None
-        row = evaluate(spec, base, sharding, layout, w, cluster)
+        # the trainer's `auto` falls back to torch's default kernel here: the parameters mix DTensors and tensors
+        we = replace(w, optimizer_implementation="default") if w.optimizer_implementation == "auto" else w
+        row = evaluate(spec, base, sharding, layout, we, cluster)
         intra = degree <= cluster.gpus_per_node
         alpha = cluster.intra_latency if intra else cluster.inter_latency
         beta = 1 / (cluster.intra_bw if intra else cluster.inter_bw)

@@ -357,6 +357,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         batch_size=req.value("train.batch_size"), seq_len=req.value("data.seq_len"), grad_accum=cfg.train.grad_accum,
         microbatches=cfg.strategy.microbatches, activation_checkpointing=cfg.train.activation_checkpointing,
         optimizer=cfg.optimizer.name, momentum=cfg.optimizer.momentum, precision=precision,
+        optimizer_implementation=cfg.optimizer.implementation,
         offload=cfg.strategy.offload, attention=args.attention, sequence_parallel=cfg.strategy.sequence_parallel,
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,

@@ -84,6 +84,7 @@ def run_workload(cfg: RunConfig, input_shape: tuple[int, ...], pp: int, lm: bool
         batch_size=t.batch_size, seq_len=input_shape[0] if lm else None, grad_accum=t.grad_accum,
         microbatches=s.microbatches or (pp if pp > 1 else None), activation_checkpointing=t.activation_checkpointing,
         optimizer=cfg.optimizer.name, momentum=cfg.optimizer.momentum, precision=t.precision, offload=s.offload,
+        optimizer_implementation=cfg.optimizer.implementation,
         sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel, pp_schedule=s.pp_schedule,
         bucket_cap_mb=s.bucket_cap_mb, gradient_as_bucket_view=s.gradient_as_bucket_view,
     )  # fmt: skip

@@ -43,9 +43,11 @@ the peak is the largest of them:
    an MLP of 25 MiB buckets, 1.03× 4Ψ + 12Ψ/N + one bucket; on the 26K MLP whose gradients fit one bucket
    (``benchmarks/bench_plan.py``), the activations and flowing gradients are a fifth of the peak.
 4. **The optimizer update.** States with the gradients the step reads, DDP's buckets, ZeRO-1's reduced shard,
-   and the optimizer's temporaries. torch's Adam/AdamW on CPU runs the single-tensor loop: ``exp_avg_sq.sqrt()``
-   and its quotient are two temporaries of one parameter's size (2 × the largest local tensor). On CUDA it
-   defaults to ``foreach``: ``_foreach_sqrt`` of every state at once (Ψ × 4). SGD updates in place.
+   and the optimizer's temporaries. paratrain's default (``optimizer.implementation=auto``) is torch's fused
+   kernel, which keeps none. torch's single-tensor loop (``for-loop``, torch's own CPU default):
+   ``exp_avg_sq.sqrt()`` and its quotient are two temporaries of one parameter's size (2 × the largest local
+   tensor). ``foreach`` (torch's own CUDA default): ``_foreach_sqrt`` of every state at once (Ψ × 4). SGD
+   updates in place.
 5. **ZeRO-1/2: the all-gather of the updated rows**: a bucket's full-size buffer (in place: this rank's rows
    are its own slice of it).
 
@@ -111,6 +113,8 @@ class StepShape:
     largest_tensor: float = 0.0
     """Elements of the largest parameter tensor this rank's optimizer updates."""
     optimizer: str = "adamw"
+    optimizer_kernel: str = "for-loop"
+    """How the update runs (:func:`optimizer_kernel`): ``fused``, ``foreach`` or ``for-loop``."""
     cpu: bool = True
     """Gloo and torch's CPU optimizer paths (``cpu-local``), else NCCL and CUDA's."""
     bucket_bytes: float = 25 * 2**20
@@ -151,10 +155,21 @@ class StepShape:
     first holds one micro-batch fewer then; 1F1B's steady state and accumulation hold as many)."""
 
 
+def optimizer_kernel(optimizer: str, implementation: str, cpu: bool) -> str:
+    """What runs the update of a ``paratrain train`` run (``paratrain.train.optim.set_implementation``):
+    ``auto`` is torch's fused kernel for AdamW and SGD; ``default`` is torch's own choice, which an
+    expert-parallel run's ``auto`` falls back to (its parameters mix DTensors and plain tensors)."""
+    if implementation in ("auto", "fused") and optimizer in ("adam", "adamw", "sgd"):
+        return "fused"
+    if implementation in ("foreach", "for-loop"):
+        return implementation
+    return "for-loop" if cpu else "foreach"
+
+
 def optimizer_temporaries(s: StepShape) -> float:
-    if s.optimizer not in ("adam", "adamw"):
-        return 0.0
-    if s.cpu:
+    if s.optimizer not in ("adam", "adamw") or s.optimizer_kernel == "fused":
+        return 0.0  # the fused kernel updates each element in registers
+    if s.optimizer_kernel == "for-loop":
         return 2 * s.largest_tensor * 4  # sqrt(exp_avg_sq) and its quotient by the bias correction, fp32
     held = s.psi / s.n if s.sharding != "none" else s.psi
     return held * 4  # _foreach_sqrt over every exp_avg_sq
@@ -172,7 +187,7 @@ def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
     reduced, best_u, best_total, best_reduced = 0.0, -1, -1.0, 0.0  # reduced: shards of units after u
     for u in range(len(s.units) - 1, -1, -1):
         p_u = s.units[u]
-        own = max(p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (pb + g))
+        own = max(p_u * g * (1 + 1 / n) + (p_u * g if s.cpu and n > 1 else 0.0), p_u * (pb + g))
         total = (
             fixed
             + reduced
@@ -186,7 +201,7 @@ def _fsdp_unit_moments(s: StepShape, base: dict[str, float]) -> list[Peak]:
     if best_u < 0:
         return []
     u, p_u = best_u, s.units[best_u]
-    reduce, compute = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu else 0.0), p_u * (pb + g)
+    reduce, compute = p_u * g * (1 + 1 / n) + (p_u * g if s.cpu and n > 1 else 0.0), p_u * (pb + g)
     terms = dict(base)
     terms["grads"] = best_reduced
     terms["activations"] = s.before_units + before[min(u, len(s.unit_activations))]
@@ -269,7 +284,7 @@ def moments(s: StepShape) -> list[Peak]:
             redo_later.update({"activations": max(0.0, s.later_activations - s.later_released),
                                "recomputed layer": s.recompute_working, "input gradient": s.unit_input_grad})  # fmt: skip
             out.append(Peak("a later micro-batch's checkpointed layer recomputes", redo_later))
-    if s.sharding == "full" and n > 1:
+    if s.sharding == "full":  # FSDP2 gathers into unsharded buffers on one rank too
         out += _fsdp_unit_moments(s, base)
     sharded_opt = s.sharding in ("optimizer", "grads") and n > 1
     if sharded_opt:

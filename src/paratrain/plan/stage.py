@@ -44,6 +44,9 @@ class Workload:
     """``none``, ``full``, ``selective`` (op-level) or ``selective:N`` (``true``/``false``: full/none)."""
     optimizer: str = "adamw"
     momentum: float = 0.9
+    optimizer_implementation: str = "auto"
+    """``auto`` and ``fused``: torch's fused kernel (no temporaries); ``foreach``, ``for-loop`` (train's
+    ``--set optimizer.implementation=...``)."""
     precision: str = "fp32"
     offload: bool = False
     attention: str = "sdpa"
@@ -332,6 +335,7 @@ def stage_peak(
         states=states, on_device=not w.offload, activations=activations, psi=psi, sharding=sharding, n=n,
         dp=layout.dp, d=d, units=units, root=root, kept_gathered=kept,
         largest_tensor=largest, optimizer=w.optimizer, cpu=cluster.on_cpu,
+        optimizer_kernel=pk.optimizer_kernel(w.optimizer, w.optimizer_implementation, cluster.on_cpu),
         bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
         cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
         accumulated_grads=acc[0], later_activations=acc[1],

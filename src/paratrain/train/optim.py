@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paratrain.config import RunConfig
+from paratrain.errors import ConfigError
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -17,6 +18,54 @@ def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""The optimizers paratrain builds, each with a fused kernel on CPU and CUDA in the pinned torch."""
+
+
+def fused_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why torch's fused kernel cannot update ``optimizer``'s parameters (None: it can)."""
+    from torch.distributed.tensor import DTensor
+
+    inner = getattr(optimizer, "optim", None)  # zero1/zero2's ShardedOptimizer steps an inner optimizer
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not isinstance(optimizer, _FUSABLE):
+        return f"{type(optimizer).__name__} has no fused kernel"
+    if any(p.device.type not in ("cpu", "cuda") or not p.is_floating_point() for p in params):
+        return "a parameter is not a floating-point tensor on the CPU or a CUDA device"
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) > 1:  # one kernel call takes either plain tensors or DTensors, not both
+        return "the strategy leaves some parameters as plain tensors and shards others as DTensors"
+    if kinds == {True} and isinstance(optimizer, torch.optim.SGD):
+        return "DTensor has no sharding rule for torch's fused SGD"
+    return None
+
+
+def set_implementation(optimizer: Any, choice: str) -> str:
+    """Apply ``optimizer.implementation`` to every param group of ``optimizer`` (built by
+    :func:`build_optimizer` and already bound to the wrapped model's parameters); returns what runs:
+    ``fused``, ``foreach`` or ``for-loop``. Applied again after a checkpoint is loaded, whose param groups
+    carry the options of the run that saved it. ``fused`` where it cannot run is refused, naming why."""
+    why = fused_refusal(optimizer) if choice in ("auto", "fused") else None
+    if choice == "fused" and why is not None:
+        raise ConfigError(
+            f"optimizer.implementation=fused cannot run here: {why}. Use --set optimizer.implementation=auto "
+            "(fused where it can run) or for-loop."
+        )
+    inner = getattr(optimizer, "optim", None)
+    groups = optimizer.param_groups + (inner.param_groups if isinstance(inner, torch.optim.Optimizer) else [])
+    fallback = choice == "auto" and why is not None
+    chosen = choice if choice != "auto" else ("fused" if why is None else "")
+    for g in groups:  # zero1/zero2 copy the outer groups' options into the inner ones before every step
+        g["fused"] = chosen == "fused"
+        g["foreach"] = None if fallback else chosen == "foreach"  # None: torch's default for the device
+    if fallback:  # torch's default: foreach for CUDA tensors, one tensor at a time on the CPU
+        on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
+        chosen = "foreach" if on_cuda else "for-loop"
+    return chosen
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int) -> Any:

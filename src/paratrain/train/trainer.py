@@ -44,7 +44,7 @@ from paratrain.train.memory import measure_peak
 from paratrain.train.metrics import MetricsWriter
 from paratrain.train.nonfinite import NonFiniteError, check_finite, describe
 from paratrain.train.observe import RunObservers
-from paratrain.train.optim import build_optimizer, build_scheduler
+from paratrain.train.optim import build_optimizer, build_scheduler, set_implementation
 from paratrain.train.precision import Precision
 from paratrain.train.state import TrainState
 from paratrain.train.summary import (
@@ -98,6 +98,8 @@ class Trainer:
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
+        self.optimizer_implementation = set_implementation(optimizer, cfg.optimizer.implementation)
+        """What runs the update (``optimizer.implementation``: ``fused``, ``foreach`` or ``for-loop``)."""
         self.strategy = strategy
         self.data = data
         self.num_params = num_params
@@ -286,6 +288,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Resume, train to ``total_steps`` (or a coordinated stop), evaluate, save, and summarise."""
         self.lifecycle.resume()
+        # a loaded checkpoint's param groups carry the saving run's options: this run's choice again
+        set_implementation(self.optimizer, self.cfg.optimizer.implementation)
         run = self._begin()
         # peer_guard: a collective that fails because a peer died or hung is re-raised naming that rank.
         with peer_guard(self.ctx) as peers:
@@ -415,6 +419,7 @@ class Trainer:
             "grad_accum": t.grad_accum,
             "precision": t.precision,
             "comm_algorithm": self.cfg.strategy.comm_algorithm,
+            "optimizer_implementation": self.optimizer_implementation,
             "train_time_s": train_time,
             "run_dir": str(self.run_dir),
             "checkpoint": ckpt_path,
