@@ -249,6 +249,14 @@ def conditions(load_before: Any, **extra: Any) -> dict[str, Any]:
     }
 
 
+def add_optimizer_arguments(ap: argparse.ArgumentParser, reference: str) -> None:
+    """``--paratrain-optimizer`` and ``--reference-optimizer``: each side's AdamW kernel (bench_hf_accelerate too)."""
+    ap.add_argument("--paratrain-optimizer", choices=["auto", "for-loop", "fused"], default="auto",
+                    help="paratrain's optimizer.implementation (auto: its default, torch's fused AdamW)")
+    ap.add_argument("--reference-optimizer", choices=["for-loop", "fused"], default="for-loop",
+                    help=f"{reference} AdamW: torch's CPU default (for-loop) or fused=True")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -260,18 +268,7 @@ def main() -> None:
     ap.add_argument("--build-first", choices=["paratrain", "plain"], default="paratrain",
                     help="which model is allocated first in the process (memory placement changes a step's CPU "
                     "time by a few per cent; alternate it over runs)")  # fmt: skip
-    ap.add_argument(
-        "--paratrain-optimizer",
-        choices=["auto", "for-loop", "fused"],
-        default="auto",
-        help="paratrain's optimizer.implementation (auto: its default, torch's fused AdamW)",
-    )
-    ap.add_argument(
-        "--reference-optimizer",
-        choices=["for-loop", "fused"],
-        default="for-loop",
-        help="the plain loop's AdamW: torch's CPU default (for-loop) or fused=True",
-    )
+    add_optimizer_arguments(ap, "the plain loop's")
     ap.add_argument("--out", default=str(RESULTS / "hf.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -133,6 +133,9 @@ def _race(
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_hf import add_optimizer_arguments
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batch", type=int, default=4, help="global batch (2 per rank)")
@@ -140,18 +143,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument(
-        "--paratrain-optimizer",
-        choices=["auto", "for-loop", "fused"],
-        default="auto",
-        help="paratrain's optimizer.implementation (auto: its default, torch's fused AdamW)",
-    )
-    ap.add_argument(
-        "--reference-optimizer",
-        choices=["for-loop", "fused"],
-        default="for-loop",
-        help="the Accelerate script's AdamW: torch's CPU default (for-loop) or fused=True",
-    )
+    add_optimizer_arguments(ap, "the Accelerate script's")
     ap.add_argument("--out", default=str(RESULTS / "hf_accelerate.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
