@@ -49,11 +49,17 @@ def test_the_choice_is_set_on_every_group_and_applied_again_over_a_loaded_state(
     opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}])
     assert set_implementation(opt, "auto") == "fused"
     assert all(g["fused"] is True and g["foreach"] is False for g in opt.param_groups)
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
     saved = opt.state_dict()
     for g in saved["param_groups"]:  # a checkpoint of a run that used the single-tensor loop
         g["fused"], g["foreach"] = None, None
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["fused"] is None
+    first = next(iter(opt.state.values()))
+    first["step"] = first["step"].double()  # a counter the fused kernel cannot read
+    assert set_implementation(opt, "fused") == "fused"
+    assert all(st["step"].dtype == torch.float32 and st["step"].device == p.device for p, st in opt.state.items())
     assert set_implementation(opt, "for-loop") == "for-loop"
     assert all(g["fused"] is False and g["foreach"] is False for g in opt.param_groups)
 

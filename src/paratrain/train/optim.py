@@ -44,6 +44,14 @@ def fused_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _steps_on_device(optimizer: torch.optim.Optimizer) -> None:
+    """State loaded from a run that updated one tensor at a time keeps its ``step`` counters on the CPU."""
+    for p, st in optimizer.state.items():
+        step = st.get("step") if isinstance(st, dict) else None
+        if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+            st["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
 def set_implementation(optimizer: Any, choice: str) -> str:
     """Apply ``optimizer.implementation`` to every param group of ``optimizer`` (built by
     :func:`build_optimizer` and already bound to the wrapped model's parameters); returns what runs:
@@ -62,6 +70,8 @@ def set_implementation(optimizer: Any, choice: str) -> str:
     for g in groups:  # zero1/zero2 copy the outer groups' options into the inner ones before every step
         g["fused"] = chosen == "fused"
         g["foreach"] = None if fallback else chosen == "foreach"  # None: torch's default for the device
+    if chosen == "fused":  # the kernel reads each step counter on its parameter's device, as float32
+        _steps_on_device(optimizer if not isinstance(inner, torch.optim.Optimizer) else inner)
     if fallback:  # torch's default: foreach for CUDA tensors, one tensor at a time on the CPU
         on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
         chosen = "foreach" if on_cuda else "for-loop"
