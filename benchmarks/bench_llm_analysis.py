@@ -8,9 +8,10 @@ import, used only to fetch configs from the Hub). Install it without its depende
     python benchmarks/bench_llm_analysis.py [--quick] [--json benchmarks/results/llm_analysis.json]
 
 Both tools get the same configuration: A100-SXM 80 GB (312 TFLOP/s bf16, efficiency 0.5), fp16/bf16
-mixed precision with fp32 master weights and Adam (the ZeRO paper's 2+2+12 bytes), the same tp/pp/dp, ZeRO
-stage, micro-batch, global batch and sequence length, flash attention (paratrain ``--attention sdpa``),
-and no activation recomputation. The model shapes are given to llm-analysis as JSON files with the
+mixed precision with fp32 master weights and Adam (the ZeRO paper's 2+2+12 bytes: paratrain
+``--precision fp16 --fp16-mixed --optimizer adamw``), the same tp/pp/dp, ZeRO stage, micro-batch,
+global batch and sequence length, flash attention (paratrain ``--attention sdpa``), and no activation
+recomputation. The model shapes are given to llm-analysis as JSON files with the
 shapes of paratrain's presets where llm-analysis can express them. It cannot express Llama 2 7B's SwiGLU
 (it asserts ffn_embed_dim % hidden_dim == 0, so 11008 is refused): like its own bundled
 NousResearch_Llama-2-7b-hf config, it gets a 2-matrix MLP with ffn 16384 (134.2M parameters per layer
@@ -164,9 +165,10 @@ def run_paratrain(case: dict) -> tuple[dict, int]:
         "--cluster",
         "a100-nvlink-ib",
         "--precision",
-        "fp16-mixed",
+        "fp16",
+        "--fp16-mixed",
         "--optimizer",
-        "adam",
+        "adamw",
         "--attention",
         "sdpa",
         "--efficiency",

@@ -807,6 +807,27 @@ def test_published_rows_the_planner_expresses() -> None:
     assert misses == 7
 
 
+def test_llm_analysis_benchmark_plans_every_case() -> None:
+    """benchmarks/bench_llm_analysis.py's paratrain side (llm-analysis itself is not installed in CI): every
+    case's flags are accepted by `paratrain plan` and give one plan with the ZeRO paper's 2 + 2 + 12 bytes
+    per parameter, so the benchmark cannot go stale against the plan flags again."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_llm_analysis.py"
+    module_spec = importlib.util.spec_from_file_location("bench_llm_analysis", path)
+    assert module_spec is not None and module_spec.loader is not None
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    for case in bench.CASES:
+        plan, n_params = bench.run_paratrain(case)
+        shards = case["dp"] if case["zero"] == 3 else 1
+        per_rank = n_params / (case["tp"] * case["pp"])  # the largest stage holds about 1/pp of the layers
+        b = plan["bytes_per_rank"]
+        assert b["params"] == pytest.approx(2 * per_rank / shards, rel=0.05), case["name"]
+        shards_opt = case["dp"] if case["zero"] else 1
+        assert b["optimizer"] == pytest.approx(12 * per_rank / shards_opt, rel=0.05), case["name"]
+
+
 def test_a_plan_that_does_not_fit_names_the_peer_default_that_would() -> None:
     p = _plan_json("--model", "llama3-70b", "--strategy", "fsdp+tp", "--tp", "8", "--dp-shard", "32", "--gpus", "256",
                    "--batch-size", "512", "--seq-len", "8192", "--activation-checkpointing", "full")["plans"][0]  # fmt: skip
