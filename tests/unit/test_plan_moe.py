@@ -120,3 +120,35 @@ def test_fsdp_tp_ep_and_fsdp_ep_pp_plans() -> None:
     assert eppp["bytes_per_rank"]["activations"] > fsdp_pp["plans"][0]["bytes_per_rank"]["activations"]
     with pytest.raises(ConfigError, match="does not divide the 32 data-parallel ranks"):
         _plan(*common, "--strategy", "fsdp+ep+pp", "--pp", "2", "--ep", "64")
+
+
+def test_the_launch_guard_plans_an_moe_model_with_its_experts() -> None:
+    """`paratrain train`'s guard plans the run's meta model: an MoE Llama with its experts, as `paratrain plan`
+    does (it planned the dense shape and so skipped every ep run with "has no MoE layer"). Under fsdp+ep every
+    parameter is a DTensor and the fused AdamW runs, so the update keeps no temporaries; `ep` alone falls back."""
+    import torch
+
+    from paratrain.config import RunConfig
+    from paratrain.models.llama import Llama
+    from paratrain.plan.guard import run_spec
+
+    cfg = RunConfig().override(["model.name=llama-moe-debug"])
+    with torch.device("meta"):
+        model = Llama(PRESETS["llama-moe-debug"])
+    spec = run_spec(cfg, model, (32,))
+    assert spec.moe == moe_from_config(PRESETS["llama-moe-debug"])
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) == 526_912
+    # a short batch, so that the optimizer update sets the peak of `ep`
+    common = ["--model", "llama-moe-debug", "--nproc-per-node", "2", "--cluster", "cpu-local", "--seq-len", "8",
+              "--batch-size", "2", "--set", "optimizer.implementation=auto"]  # fmt: skip
+    for strategy, temporaries in (("fsdp+ep", False), ("ep", True)):
+        p = _plan(*common, "--strategy", strategy)["plans"][0]
+        update = p["bytes_per_rank"]
+        assert p["layout"]["ep"] == 2 and update["peak"] > 0, strategy
+        loop = _plan(*common[:-1], "optimizer.implementation=for-loop", "--strategy", strategy)["plans"][0]
+        fused = _plan(*common[:-1], "optimizer.implementation=fused", "--strategy", strategy)["plans"][0]
+        want = loop if temporaries else fused
+        assert p["bytes_per_rank"] == want["bytes_per_rank"], strategy
+        if temporaries:
+            assert p["peak_moment"]["phase"] == "optimizer update"
+            assert fused["bytes_per_rank"]["peak"] < loop["bytes_per_rank"]["peak"]

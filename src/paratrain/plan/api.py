@@ -261,16 +261,16 @@ def ep_plans(spec: Any, cluster: Any, w: Any, strategy: str | None, ep: int | No
             raise ConfigError(str(e).replace(f"strategy {base!r}", f"strategy {name!r}")) from e
         stage_ranks = layout.gpus // layout.pp  # the ranks ep borrows from: dp x tp of one stage
         degree = ep if ep is not None else (stage_ranks if name == "ep" else 2)
-        if strategy is None and (
-            moe is None or stage_ranks % degree or moe.n_experts % degree or degree < 2
-        ):
+        if strategy is None and (moe is None or stage_ranks % degree or moe.n_experts % degree or degree < 2):
             continue  # a default that does not apply to this model or cluster
         if strategy is not None and degree < 2 and cluster.gpus > 1:
             raise ConfigError(f"strategy {name!r} splits the experts over an ep axis; give --ep 2 or more.")
         check_ep(moe, degree, stage_ranks, spec.name)
         assert moe is not None
-        # the trainer's `auto` falls back to torch's default kernel here: the parameters mix DTensors and tensors
-        we = replace(w, optimizer_implementation="default") if w.optimizer_implementation == "auto" else w
+        # under `ep` alone the parameters mix DTensors (the experts) and plain tensors, so the trainer's `auto`
+        # falls back to torch's default kernel; with FSDP every parameter is a DTensor and the fused one runs
+        mixed = sharding != "full" and w.optimizer_implementation == "auto"
+        we = replace(w, optimizer_implementation="default") if mixed else w
         row = evaluate(spec, base, sharding, layout, we, cluster)
         intra = degree <= cluster.gpus_per_node
         alpha = cluster.intra_latency if intra else cluster.inter_latency

@@ -25,7 +25,14 @@ from typing import Any
 from paratrain.config import RunConfig
 from paratrain.errors import ConfigError
 from paratrain.plan.api import Workload, plan
-from paratrain.plan.model import ModelSpec, shape_from_config, spec_from_params, spec_from_shape
+from paratrain.plan.model import (
+    ModelSpec,
+    shape_from_config,
+    spec_from_module,
+    spec_from_params,
+    spec_from_shape,
+)
+from paratrain.plan.moe import moe_from_config
 from paratrain.spec import hardware as hw
 
 PREDICTED_ENV = "PARATRAIN_PREDICTED_PEAK"
@@ -71,6 +78,9 @@ def run_spec(cfg: RunConfig, meta_model: Any, input_shape: tuple[int, ...]) -> M
             pass
     config = getattr(meta_model, "config", None)
     shape = shape_from_config(config) if config is not None else None
+    moe = moe_from_config(config) if config is not None else None
+    if shape is not None and moe is not None:  # its experts counted on the meta build, as `plan` counts them
+        return replace(spec_from_module(meta_model, cfg.model.name, shape=shape), moe=moe)
     if shape is not None:
         return spec_from_shape(shape, cfg.model.name)
     # Other models: their states only. Tracing their activations (plan/trace.py) first imports torch's

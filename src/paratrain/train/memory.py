@@ -102,6 +102,29 @@ def register_transport(tracker: Any, owned: bool = True) -> None:
             tracker._update_snap(_UpdateType.ADD, winfo)
 
 
+class _NoModules:
+    """What ``MemTracker`` asks of its ``ModTracker``, with no module followed: every op runs in the global
+    scope, counted as forward (the category of a storage, not its bytes: the peak is the same)."""
+
+    parents = frozenset({"Global"})
+    is_bw = False
+
+    def get_known_fqn(self, module: nn.Module) -> str:
+        return type(module).__name__
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
 def _step_tracker(by_module: bool = True) -> Any:
     """A ``MemTracker`` for one optimizer step of K micro-batches (``--grad-accum K``).
 
@@ -122,7 +145,14 @@ def _step_tracker(by_module: bool = True) -> Any:
 
     class StorageTracker(MemTracker):
         """Every storage the step creates or the model and optimizer hold, without per-module statistics:
-        the module hooks do nothing, the dispatch-level accounting (and so the peak) is MemTracker's own."""
+        the module hooks do nothing, the dispatch-level accounting (and so the peak) is MemTracker's own.
+        No ``ModTracker`` is entered either: its multi-grad hooks on module inputs fail inside the
+        ``autograd.grad`` a pipeline stage runs to infer its gradients' shapes at the first step (an MoE
+        stage's expert dispatch passes a leaf to a module), and nothing here reads what it tracks."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = _NoModules()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             pass
