@@ -50,7 +50,7 @@ def early_checks(cfg: RunConfig) -> None:
     from paratrain.spec import strategies as specs
     from paratrain.spec.capabilities import check_model_axes
     from paratrain.spec.catalog import check_names
-    from paratrain.spec.refusals import check
+    from paratrain.spec.refusals import check, check_optimizer_kernel
 
     name = specs.canonical(cfg.strategy.name)
     check_names(cfg.model.name, cfg.data.name, cfg.data.path)
@@ -64,6 +64,7 @@ def early_checks(cfg: RunConfig) -> None:
     world = nproc * int(launch.nnodes)
     topology = check(name, world, cfg.strategy, nproc)
     check_model_axes(cfg.model.name, cfg.model.n_experts, topology)
+    check_optimizer_kernel(name, topology, cfg.optimizer.name, cfg.optimizer.implementation)
     cfg.validate(world, topology.dp_size)
 
 

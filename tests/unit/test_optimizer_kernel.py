@@ -3,6 +3,9 @@ planner's temporaries for each."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -59,7 +62,9 @@ def test_the_choice_is_set_on_every_group_and_applied_again_over_a_loaded_state(
     first = next(iter(opt.state.values()))
     first["step"] = first["step"].double()  # a counter the fused kernel cannot read
     assert set_implementation(opt, "fused") == "fused"
-    assert all(st["step"].dtype == torch.float32 and st["step"].device == p.device for p, st in opt.state.items())
+    assert all(
+        st["step"].dtype == torch.float32 and st["step"].device == p.device for p, st in opt.state.items()
+    )
     assert set_implementation(opt, "for-loop") == "for-loop"
     assert all(g["fused"] is False and g["foreach"] is False for g in opt.param_groups)
 
@@ -93,3 +98,24 @@ def test_the_planner_counts_each_kernels_temporaries() -> None:
     assert pk.optimizer_temporaries(shape["fused"]) == 0.0
     assert pk.optimizer_temporaries(shape["for-loop"]) == 2 * 100.0 * 4  # sqrt and its quotient, fp32
     assert pk.optimizer_temporaries(shape["foreach"]) == 1000.0 / 4 * 4  # _foreach_sqrt of the local states
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--strategy", "ep", "--model", "llama-moe-debug", "--data", "python-stdlib"), "under ep: its experts"),
+        (("--strategy", "zero3", "--optimizer", "sgd"), "for SGD under zero3"),
+        (("--strategy", "fsdp+tp", "--optimizer", "sgd", "--model", "llama-debug", "--data", "python-stdlib"),
+         "for SGD under fsdp+tp"),
+    ],
+)  # fmt: skip
+def test_an_explicit_fused_kernel_that_cannot_run_is_refused_before_launch(
+    cli_main: Any, tmp_path: Path, args: tuple[str, ...], words: str
+) -> None:
+    """The worker's refusal (above), decided from the strategy before any process starts: one line, exit 2,
+    no run directory. ``auto`` launches these runs with the fallback instead."""
+    proc = cli_main("train", *args, "--nproc-per-node", "2", "--steps", "1", "--run-dir", "run",
+                    "--set", "optimizer.implementation=fused", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr and "optimizer.implementation=auto" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -11,7 +11,7 @@ from paratrain.spec.presets import resolve
 from paratrain.spec.strategies import STRATEGIES, StrategySpec, get, strategies_taking
 from paratrain.spec.topology import Topology
 
-__all__ = ["check", "check_comm_algorithm"]
+__all__ = ["check", "check_comm_algorithm", "check_optimizer_kernel"]
 
 
 # ---- refusals -----------------------------------------------------------------------------------------
@@ -209,3 +209,24 @@ def check_comm_algorithm(name: str, algorithm: str) -> None:
         f"strategy {spec.name}: --comm-algorithm {algorithm!r} is not available; {spec.name} takes {takes}"
         f"{helps}. {where}"
     )
+
+
+def check_optimizer_kernel(name: str, topology: Topology, optimizer: str, implementation: str) -> None:
+    """Refuse ``optimizer.implementation=fused`` where torch's fused kernel cannot take the parameters the
+    strategy leaves (the worker would refuse it after building the model; ``auto`` falls back instead):
+    ``ep`` alone mixes DTensors (its experts) with plain tensors, which one kernel call cannot take, and fused
+    SGD has no DTensor rule, which every FSDP and tensor-parallel parameter is."""
+    if implementation != "fused":
+        return
+    spec = get(name)
+    fix = "Use --set optimizer.implementation=auto (fused where it can run) or for-loop."
+    if spec.uses_ep and not spec.uses_fsdp and topology.ep > 1:
+        raise ConfigError(
+            f"optimizer.implementation=fused cannot run under {spec.name}: its experts are DTensors and its other "
+            f"parameters plain tensors, and torch's fused kernel takes one kind per call. {fix}"
+        )
+    if optimizer == "sgd" and (spec.uses_fsdp or (spec.uses_tp and topology.tp > 1)):
+        raise ConfigError(
+            f"optimizer.implementation=fused cannot run for SGD under {spec.name}: its parameters are DTensors, "
+            f"and DTensor has no sharding rule for torch's fused SGD. {fix}"
+        )

@@ -24,13 +24,17 @@ _FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 """The optimizers paratrain builds, each with a fused kernel on CPU and CUDA in the pinned torch."""
 
 
+def _stepping(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that runs the update: zero1/zero2's ShardedOptimizer steps an inner one."""
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
 def fused_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     """Why torch's fused kernel cannot update ``optimizer``'s parameters (None: it can)."""
     from torch.distributed.tensor import DTensor
 
-    inner = getattr(optimizer, "optim", None)  # zero1/zero2's ShardedOptimizer steps an inner optimizer
-    if isinstance(inner, torch.optim.Optimizer):
-        optimizer = inner
+    optimizer = _stepping(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not isinstance(optimizer, _FUSABLE):
         return f"{type(optimizer).__name__} has no fused kernel"
@@ -63,15 +67,15 @@ def set_implementation(optimizer: Any, choice: str) -> str:
             f"optimizer.implementation=fused cannot run here: {why}. Use --set optimizer.implementation=auto "
             "(fused where it can run) or for-loop."
         )
-    inner = getattr(optimizer, "optim", None)
-    groups = optimizer.param_groups + (inner.param_groups if isinstance(inner, torch.optim.Optimizer) else [])
+    stepping = _stepping(optimizer)
+    groups = optimizer.param_groups + (stepping.param_groups if stepping is not optimizer else [])
     fallback = choice == "auto" and why is not None
     chosen = choice if choice != "auto" else ("fused" if why is None else "")
     for g in groups:  # zero1/zero2 copy the outer groups' options into the inner ones before every step
         g["fused"] = chosen == "fused"
         g["foreach"] = None if fallback else chosen == "foreach"  # None: torch's default for the device
     if chosen == "fused":  # the kernel reads each step counter on its parameter's device, as float32
-        _steps_on_device(optimizer if not isinstance(inner, torch.optim.Optimizer) else inner)
+        _steps_on_device(stepping)
     if fallback:  # torch's default: foreach for CUDA tensors, one tensor at a time on the CPU
         on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
         chosen = "foreach" if on_cuda else "for-loop"
