@@ -19,7 +19,8 @@ TEXT = (
 
 
 def config_for(arch: str, **over: Any) -> Any:
-    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt, gemma); dropout off."""
+    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt, gemma; the mixtures of
+    experts mixtral, qwen2_moe, qwen3_moe); dropout off."""
     import transformers as tf
 
     common = {"vocab_size": VOCAB, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
@@ -39,6 +40,21 @@ def config_for(arch: str, **over: Any) -> Any:
               "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}  # fmt: skip
         kw.update(over)
         return tf.GPT2Config(**kw)
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):  # mixtures of experts: 4 experts, top 2, in every layer
+        kw = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 128, "num_experts_per_tok": 2, **common}  # fmt: skip
+        if arch == "mixtral":
+            kw.update(num_local_experts=4, router_jitter_noise=0.0)
+        else:
+            kw.update(num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+        if arch == "qwen2_moe":
+            kw.update(shared_expert_intermediate_size=48)
+        if arch == "qwen3_moe":
+            kw["head_dim"] = 8
+        kw.update(over)
+        return {"mixtral": tf.MixtralConfig, "qwen2_moe": tf.Qwen2MoeConfig, "qwen3_moe": tf.Qwen3MoeConfig}[
+            arch
+        ](**kw)
     cls = {
         "llama": tf.LlamaConfig,
         "qwen2": tf.Qwen2Config,

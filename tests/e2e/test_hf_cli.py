@@ -84,6 +84,11 @@ def test_model_parallel_refusals_name_the_model(hf_root: Path, capsys: Any, monk
     )
     assert "tensor parallel degree 4 does not divide the heads of LlamaForCausalLM" in err
     assert "num_key_value_heads=2" in err
+    # expert parallelism splits paratrain's own MoE layers, not a transformers model's (an MoE one included)
+    for strategy in ("ep", "fsdp+ep"):
+        err = _refused(hf_root, "opt", "--strategy", strategy, "--nproc-per-node", "2", capsys=capsys,
+                       monkeypatch=monkeypatch)  # fmt: skip
+        assert "expert parallelism (--ep 2)" in err and "OPTForCausalLM" in err and "ddp, zero1/2/3" in err
     assert not (hf_root / "runs").exists(), "nothing may start (or be written) for a bad input"
 
 

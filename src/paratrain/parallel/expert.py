@@ -52,6 +52,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
+from paratrain.models.hf_arch import HF_CLASS_ATTR
 from paratrain.models.spec import expert_layers
 from paratrain.parallel.grads import (
     all_reduce_replicas,
@@ -64,7 +65,7 @@ from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.registry import register_strategy
 from paratrain.parallel.strategy import LossFn, Strategy
 from paratrain.parallel.tensor import ModelParallel, _TensorParallel
-from paratrain.spec.capabilities import no_moe_layer
+from paratrain.spec.capabilities import hf_no_ep, no_moe_layer
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -288,7 +289,10 @@ def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> 
     ``ep`` borrows from; the degrees suggested divide them too)."""
     layers = expert_layers(model)
     if not layers:
-        raise ConfigError(no_moe_layer(type(model).__name__, ep))
+        hf_class = getattr(model, HF_CLASS_ATTR, None)  # a transformers model: its MoE modules are not split
+        raise ConfigError(
+            hf_no_ep(hf_class.__name__, ep) if hf_class else no_moe_layer(type(model).__name__, ep)
+        )
     n = layers[0].n_experts
     if n % ep:
         divisors = [d for d in range(2, n + 1) if n % d == 0 and (ranks is None or ranks % d == 0)]

@@ -118,6 +118,15 @@ def hf_no_pp(arch: str) -> str:
     )
 
 
+def hf_no_ep(arch: str, ep: int) -> str:
+    """The refusal of expert parallelism on a Hugging Face model: ep splits paratrain's own MoE layers."""
+    return (
+        f"expert parallelism (--ep {ep}) splits the experts of paratrain's own MoE layers (its MoE Llama: --model "
+        f"llama-moe-small, mixtral-8x7b, qwen3-30b-a3b, ...); the layers of {arch} are transformers' modules, "
+        "which it does not split. Use a data-parallel strategy (ddp, zero1/2/3, hsdp) for this model."
+    )
+
+
 def check_model_axes(model: str, n_experts: int | None, topology: Topology) -> None:
     """Refuse a tensor, pipeline or expert degree above 1 on a built-in model that cannot split that way, in
     the order and words of the launch-time checks (tensor, pipeline, then experts)."""
@@ -128,5 +137,7 @@ def check_model_axes(model: str, n_experts: int | None, topology: Topology) -> N
         raise ConfigError(hf_no_tp(caps.cls, topology.tp, caps.pp) if caps.hf else no_tp_plan(caps.cls))
     if topology.pp > 1 and not caps.pp:
         raise ConfigError(hf_no_pp(caps.cls) if caps.hf else no_stage_split(caps.cls))
-    if topology.ep > 1 and not caps.ep and not caps.hf:
+    if topology.ep > 1 and caps.hf:
+        raise ConfigError(hf_no_ep(caps.cls, topology.ep))
+    if topology.ep > 1 and not caps.ep:
         raise ConfigError(no_moe_layer(caps.cls, topology.ep))
