@@ -62,6 +62,42 @@ MODELS = {
         "plan": ["--model", "llama-small", "--seq-len", "256", "--batch-size", "8"],
     },
 }
+HF_MOE = {  # Hugging Face mixtures of experts, random weights (a config.json only), 62 M parameters each
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 512,
+                "intermediate_size": 1024, "num_attention_heads": 8, "num_hidden_layers": 4, "num_key_value_heads": 4,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 8192, "max_position_embeddings": 1024,
+                "tie_word_embeddings": False, "router_jitter_noise": 0.0},
+    "qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
+                  "intermediate_size": 1024, "moe_intermediate_size": 512, "num_attention_heads": 8,
+                  "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 4, "num_experts": 16,
+                  "num_experts_per_tok": 4, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 8192,
+                  "max_position_embeddings": 1024, "tie_word_embeddings": False},
+}  # fmt: skip
+for _name in HF_MOE:
+    _hf = ["--model", f"hf:{{hf}}/{_name}", "--seq-len", "128", "--batch-size", "8"]
+    MODELS[f"hf-{_name}"] = {"train": [*_hf, "--data", "python-stdlib", "--set", "data.max_bytes=2000000"],
+                             "plan": _hf}  # fmt: skip
+MODELS["llama-moe-small"] = {
+    "train": ["--model", "llama-moe-small", "--data", "python-stdlib", "--set", "data.max_bytes=2000000", "--seq-len",
+              "128", "--batch-size", "8"],
+    "plan": ["--model", "llama-moe-small", "--seq-len", "128", "--batch-size", "8"],
+}  # fmt: skip
+DEFAULT_MODELS = ["mlp", "llama-debug", "llama-small"]
+"""What a run without --models measures (the MoE rows: --models llama-moe-small hf-mixtral hf-qwen3-moe
+--strategies ddp zero2 zero3, stored as plan_vs_measured_moe.json)."""
+_HF_DIR: list[Path] = []
+
+
+def _argv(flags: list[str]) -> list[str]:
+    """``flags`` with ``{hf}`` replaced by a directory holding the HF_MOE configs (written on first use)."""
+    if any("{hf}" in f for f in flags) and not _HF_DIR:
+        _HF_DIR.append(Path(tempfile.mkdtemp(prefix="bench_plan_hf_")))
+        for name, cfg in HF_MOE.items():
+            (_HF_DIR[0] / name).mkdir()
+            (_HF_DIR[0] / name / "config.json").write_text(json.dumps(cfg))
+    return [f.replace("{hf}", str(_HF_DIR[0])) if _HF_DIR else f for f in flags]
+
+
 STRATEGIES = {  # name -> extra flags shared by train and plan (n = ranks)
     "ddp": lambda n: ["--strategy", "ddp"],
     "zero1": lambda n: ["--strategy", "zero1"],
@@ -93,7 +129,7 @@ FOUR_RANKS_ONLY = {"fsdp+tp", "fsdp+pp"}
 
 
 def measure(model: str, strategy: str, nproc: int, steps: int, timeout: float, device: str = "cpu") -> dict:
-    argv = [*MODELS[model]["train"], *STRATEGIES[strategy](nproc), "--device", device]
+    argv = [*_argv(MODELS[model]["train"]), *STRATEGIES[strategy](nproc), "--device", device]
     argv += ["--backend", "nccl" if device == "cuda" else "gloo"]
     with tempfile.TemporaryDirectory(prefix="bench_plan_") as run_dir:
         cmd = [
@@ -130,7 +166,7 @@ def measure(model: str, strategy: str, nproc: int, steps: int, timeout: float, d
 
 def predict(model: str, strategy: str, nproc: int) -> tuple[dict, int]:
     argv = [
-        *MODELS[model]["plan"],
+        *_argv(MODELS[model]["plan"]),
         *STRATEGIES[strategy](nproc),
         "--nproc-per-node",
         str(nproc),
@@ -158,7 +194,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="strategies ddp/zero1/zero2/zero3 only")
     ap.add_argument("--nproc", type=int, nargs="+", default=[2])
-    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=600)

@@ -119,3 +119,90 @@ def test_zero3_plans_the_embedding_and_head_as_units_of_their_own(tmp_path: Path
     if tied:  # a model type the planner has no shape for: the guard plans its parameter count, as before
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt"}))
         assert run_spec(cfg, torch.nn.Linear(3, 2), (64,)).num_params == 8
+
+
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32000, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+}  # fmt: skip
+"""mistralai/Mixtral-8x7B-v0.1's config.json (the fields the shape reads)."""
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+}  # fmt: skip
+"""Qwen/Qwen3-30B-A3B's config.json (as published: ``num_experts``, not transformers 5's ``num_local_experts``)."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("arch", "over"),
+    [
+        ("mixtral", {}),
+        ("qwen2_moe", {}),  # q/k/v biases, a shared expert and its one-output gate
+        ("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}),  # experts in layers 1 and 3 only
+        ("qwen3_moe", {"mlp_only_layers": [0], "tie_word_embeddings": True}),  # layer 0 dense; q/k norms
+    ],
+)
+def test_mixture_of_experts_configs_count_every_expert(
+    tmp_path: Path, arch: str, over: dict[str, object]
+) -> None:
+    """A Hugging Face MoE config plans with transformers' parameter count (every expert, the routers, the
+    shared expert), layer by layer as FSDP wraps it, and only the experts a token is routed to in its FLOPs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paratrain.plan.hf_config import spec_from_hf_config
+    from tests._hf_models import config_for
+
+    cfg = config_for(arch, **over)
+    cfg.save_pretrained(str(tmp_path))
+    spec = spec_from_hf_config(tmp_path / "config.json", f"hf:{tmp_path}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    for layer, group in zip(model.model.layers, spec.layers, strict=True):
+        assert group.total == sum(p.numel() for p in layer.parameters())
+    moe = spec.moe
+    routed = [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert moe is not None and moe.moe_layers == len(routed) and moe.n_experts == 4 and moe.top_k == 2
+    idle = sum(p.numel() for layer in routed for p in layer.mlp.experts.parameters()) * (4 - 2) // 4
+    assert spec.inactive_params == idle
+
+
+def test_published_moe_configs_plan_data_parallel_layouts_only(tmp_path: Path) -> None:
+    """Mixtral 8x7B and Qwen3-30B-A3B from their config.json: transformers' parameter counts (46.7 B and 30.5 B,
+    as published), the data-parallel plans, and the refusals `paratrain train` gives for tensor, pipeline and
+    expert parallelism of a transformers MoE model."""
+    import argparse
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from paratrain.plan.cli import add_arguments, build
+
+    for name, cfg, billions in (("mixtral", MIXTRAL_8X7B, 46.7), ("qwen3", QWEN3_30B_A3B, 30.5)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(d)))
+        n = sum(p.numel() for p in model.parameters())
+        assert round(n / 1e9, 1) == billions
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        common = ["--model", f"hf:{d}", "--gpus", "64", "--seq-len", "4096", "--batch-size", "64"]
+        out = build(parser.parse_args(common))
+        assert out["num_params"] == n
+        assert {p["strategy"] for p in out["plans"]} == {"ddp", "zero1", "zero2", "zero3"}
+        zero3 = next(p for p in out["plans"] if p["strategy"] == "zero3")
+        assert zero3["model_state_bytes_per_rank"] == pytest.approx(
+            16 * n / 64, rel=1e-6
+        )  # bf16 + fp32 AdamW
+        for flags, words in ((["--strategy", "tp", "--tp", "2"], "tensor parallelism"),
+                             (["--strategy", "pp", "--pp", "4"], "pipeline parallelism"),
+                             (["--strategy", "fsdp+ep", "--ep", "8"], "expert parallelism")):  # fmt: skip
+            with pytest.raises(ConfigError, match=words):
+                build(parser.parse_args([*common, *flags]))

@@ -38,6 +38,7 @@ from paratrain.plan.stage import (
     stages,
 )
 from paratrain.plan.time import model_flops_per_sample
+from paratrain.spec.capabilities import hf_no_ep, hf_no_pp, hf_no_tp
 from paratrain.spec.hardware import Cluster
 
 RESERVED_OVER_ALLOCATED = 1.12
@@ -116,6 +117,17 @@ def header(spec: ModelSpec, cluster: Cluster, w: Workload) -> dict[str, Any]:
             "precision": w.precision, "optimizer": w.optimizer}  # fmt: skip
 
 
+def _check_splits(spec: ModelSpec, chosen: list[tuple[str, str, Layout]]) -> None:
+    """Refuse a tensor- or pipeline-parallel layout of a model paratrain cannot split that way, in the words of
+    ``paratrain train``'s refusal."""
+    arch = spec.arch or spec.name
+    for _, _, layout in chosen:
+        if layout.tp > 1 and "tp" not in spec.splits:
+            raise ConfigError(hf_no_tp(arch, layout.tp, "pp" in spec.splits))
+        if layout.pp > 1 and "pp" not in spec.splits:
+            raise ConfigError(hf_no_pp(arch))
+
+
 def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout]]:
     """ddp, zero1, zero2, zero3 and, for a transformer, the valid tp / pp / tp×pp layouts (pp up to 8)."""
     g = cluster.gpus
@@ -125,9 +137,9 @@ def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, L
     if sh is None:
         return out
     tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if t > 1 and g % t == 0]
-    if spec.moe is not None:  # paratrain's TP plan has no MoE layers: experts are split by ep instead
+    if spec.moe is not None or "tp" not in spec.splits:  # MoE: the experts are split by ep instead
         tps = []
-    pps = [p for p in (2, 4, 8) if g % p == 0 and p <= sh.n_layers]
+    pps = [p for p in (2, 4, 8) if g % p == 0 and p <= sh.n_layers and "pp" in spec.splits]
     pairs = [(t, 1) for t in tps] + [(1, p) for p in pps]
     pairs += [(tps[-1], p) for p in pps if tps and g % (tps[-1] * p) == 0]
     for t, p in pairs:
@@ -160,6 +172,8 @@ def plan(
     w = workload or Workload()
     from paratrain.plan.moe import EP_STRATEGIES
 
+    if (strategy in EP_STRATEGIES or ep is not None) and "ep" not in spec.splits:
+        raise ConfigError(hf_no_ep(spec.arch or spec.name, ep or 2))
     if strategy in EP_STRATEGIES or ep is not None:  # expert parallelism: plan/moe.py
         if strategy not in EP_STRATEGIES:
             raise ConfigError(
@@ -178,6 +192,7 @@ def plan(
         chosen = default_layouts(spec, cluster)
         if w.offload:
             chosen = [c for c in chosen if c[1] == "full"]
+    _check_splits(spec, chosen)
     if spec.moe is not None and any(layout.tp > 1 for _, _, layout in chosen):
         raise ConfigError(
             f"model {spec.name!r} has MoE layers, whose experts tensor parallelism leaves to an ep axis; use "
@@ -187,7 +202,7 @@ def plan(
     out["plans"] = [evaluate(spec, name, sharding, layout, w, cluster) for name, sharding, layout in chosen]
     for (name, sharding, layout), p in zip(chosen, out["plans"], strict=True):
         p["advice"] = [] if p["fits"] else advice(spec, name, sharding, layout, w, cluster)
-    if strategy is None and spec.moe is not None and not w.offload:  # an MoE model: ep and fsdp+ep too
+    if strategy is None and spec.moe is not None and not w.offload and "ep" in spec.splits:  # ep, fsdp+ep too
         out["plans"] += ep_plans(spec, cluster, w, None, None, moe_overload)
     return out
 
@@ -271,7 +286,9 @@ def ep_plans(spec: Any, cluster: Any, w: Any, strategy: str | None, ep: int | No
         # falls back to torch's default kernel; with FSDP every parameter is a DTensor and the fused one runs
         mixed = sharding != "full" and w.optimizer_implementation == "auto"
         we = replace(w, optimizer_implementation="default") if mixed else w
-        row = evaluate(spec, base, sharding, layout, we, cluster)
+        row = evaluate(
+            spec, base, sharding, layout, replace(we, moe_ep=degree, moe_overload=overload), cluster
+        )
         intra = degree <= cluster.gpus_per_node
         alpha = cluster.intra_latency if intra else cluster.inter_latency
         beta = 1 / (cluster.intra_bw if intra else cluster.inter_bw)

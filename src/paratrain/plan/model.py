@@ -166,6 +166,11 @@ class ModelSpec:
     """A bare parameter count: model states only (no activations, buffers or TP/PP)."""
     moe: Any = None
     """A mixture-of-experts model's :class:`~paratrain.plan.moe.MoEShape` (``None``: dense)."""
+    splits: tuple[str, ...] = ("tp", "pp", "ep")
+    """The model-parallel axes paratrain can split this model along: a Hugging Face architecture without a
+    tensor-parallel plan, a stage split or paratrain's MoE layers plans data-parallel layouts only."""
+    arch: str = ""
+    """A Hugging Face model's ``transformers`` class (the refusals name it); empty for paratrain's own."""
     embedding_units: bool = False
     """FSDP (zero3/hsdp) wraps ``first`` (the embedding) and ``last`` (final norm + head) as units of their own
     and leaves the root empty: Hugging Face models with untied embeddings

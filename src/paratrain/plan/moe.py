@@ -14,7 +14,9 @@ many micro-batches as its schedule has in flight, and runs their all-to-alls:
   of the base layout (``zero3``: ``16 P / N`` in fp32 AdamW): every parameter, dense or expert, is held
   ``1 / (dp x tp)`` per rank of its stage. The router and the shared expert are dense (replicated or sharded
   with the dense part).
-- **activations** of an MoE layer (paratrain's Llama, fp32 terms as :mod:`paratrain.plan.implementation`):
+- **activations** of an MoE layer (paratrain's Llama, fp32 terms as :mod:`paratrain.plan.implementation`; part
+  of every plan of an MoE model, the data-parallel ones with ``ep = 1`` included, through the stage's
+  activations in :mod:`paratrain.plan.stage`, so each moment of the step and each checkpointing mode holds them):
   the routed rows ``r = top_k * s * b * overload`` (``--moe-overload``: the busiest rank's rows over the mean)
   keep the gathered input rows and the received rows (``2 r h``) under ``ep``, the expert GEMMs' outputs,
   silu and product (``4 r f_e``), the rows sent back and the combine's slots (``2 r h``), the router's fp32
@@ -31,7 +33,7 @@ many micro-batches as its schedule has in flight, and runs their all-to-alls:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from paratrain.errors import ConfigError
@@ -52,7 +54,8 @@ class MoEShape:
     dim: int
     n_experts: int
     top_k: int
-    n_shared_experts: int
+    n_shared_experts: float
+    """Shared experts of ``moe_hidden`` each (a fraction when a shared expert is wider: Qwen2-MoE's)."""
     moe_hidden: int
     moe_layers: int
     ffn_hidden: int
@@ -113,14 +116,12 @@ def apply_expert_parallel(
     """Turn the plan ``row`` of the dense base layout into the plan of ``strategy`` at ``ep`` (see above).
     ``d``: the :class:`~paratrain.plan.memory.Dtypes`; ``alpha``, ``beta``: the ep group's link; ``gpu_mem``:
     bytes per GPU."""
-    from paratrain.plan import activations as act
     from paratrain.plan import memory as mem
 
     layout = row["layout"]
     n, tp, pp = layout["dp_replicate"] * layout["dp_shard"], layout["tp"], layout["pp"]
     stage_ranks = n * tp  # the ranks ep borrows from
     stage_layers = math.ceil(moe.moe_layers / pp)  # MoE layers of the busiest stage
-    stage = replace(moe, moe_layers=stage_layers)
     experts, dense = moe.expert_params, num_params - moe.expert_params
     stage_experts = experts * stage_layers / moe.moe_layers
     sharding = EP_STRATEGIES[strategy][1]
@@ -133,8 +134,6 @@ def apply_expert_parallel(
     else:  # FSDP shards dense and expert parameters alike over the stage's ranks: the base's states hold
         state_total = old_states
     b, s = row["micro_batch_size"], row["seq_len"]
-    in_flight = act.in_flight(row.get("pp_schedule") or "1f1b", row["microbatches"], pp, 0) if pp > 1 else 1
-    act_delta = in_flight * moe_activation_delta(stage, s, b / tp, ep, overload, d.activation)
     # this rank's routed tokens in a step (sequence-parallel under tp)
     tokens = s * b * row["microbatches"] * row["grad_accum"] / tp
     elements = moe.alltoall_elements(tokens, ep)  # per layer and direction
@@ -142,8 +141,9 @@ def apply_expert_parallel(
     messages = 4 * stage_layers * (ep - 1) * row["microbatches"] * row["grad_accum"]
     a2a_time = sent * beta + messages * alpha
     out = dict(row)
-    by["activations"] = round(by["activations"] + act_delta)
-    by["peak"] = round(by["peak"] - old_states + state_total + act_delta)
+    ratio = by["peak_reserved"] / by["peak"] if by.get("peak") else 1.0
+    by["peak"] = round(by["peak"] - old_states + state_total)  # the MoE activations are the base plan's
+    by["peak_reserved"] = round(by["peak"] * ratio)
     comm = dict(row["comm_bytes_per_rank_per_step"])
     if sharding == "none":  # the replicas' all-reduce carries the dense gradients and the experts' over edp
         for key in [k for k in comm if k.endswith("all_reduce")]:

@@ -38,10 +38,12 @@ def candidates(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout
     g, out = cluster.gpus, []
     sh = spec.shape
     tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if g % t == 0]
-    if spec.moe is not None:  # paratrain's TP plan has no MoE layers: experts are split by ep instead
+    if spec.moe is not None or "tp" not in spec.splits:  # MoE: the experts are split by ep instead
         tps = [1]
     for t in tps:
         pps = [p for p in _divisors(g // t) if sh is not None and p <= sh.n_layers] if sh else [1]
+        if "pp" not in spec.splits:
+            pps = [1]
         for p in pps:
             dp = g // (t * p)
             if t == 1 and p == 1:
@@ -224,7 +226,7 @@ def _expert_parallel(spec: ModelSpec, cluster: Cluster, w: Workload) -> list[dic
     from paratrain.plan.moe import EP_STRATEGIES
 
     moe = spec.moe
-    if moe is None or cluster.gpus < 2:
+    if moe is None or cluster.gpus < 2 or "ep" not in spec.splits:
         return []
     out = []
     for name in EP_STRATEGIES:

@@ -5,7 +5,7 @@ combines the stages into one plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from paratrain.errors import ConfigError
@@ -55,6 +55,10 @@ class Workload:
     """TP: keep the logits vocabulary-sharded through the loss (``--set strategy.loss_parallel=true`` in train);
     off, paratrain's output layer gathers them to the full vocabulary on every TP rank."""
     pp_schedule: str = "1f1b"
+    moe_ep: int = 1
+    """An MoE model's expert-parallel degree (1: every expert on each rank): the rows it keeps per layer."""
+    moe_overload: float = 1.0
+    """MoE: routed rows on the busiest rank over the mean (``--moe-overload``)."""
     fp8_all_gather: bool = False
     """FSDP all-gathers the layers' linear weights in float8 (torchao's ``Float8Linear`` with
     ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8]`` setting): the unsharded weights (and the
@@ -272,6 +276,17 @@ def _transformer_activations(
         loss_grad = before = 0.0
         released = act.last_extra(sh, s_, b_, t, sp, d.activation) if st.last else 0.0
     inp = s_ * b_ * sh.dim * d.activation / (t if sp else 1)
+    if spec.moe is not None:  # routed rows and experts in place of the dense MLP, averaged over the layers
+        from paratrain.plan.moe import moe_activation_delta
+
+        m = spec.moe
+        one = moe_activation_delta(
+            replace(m, moe_layers=1), s_, b_ / t, w.moe_ep, w.moe_overload, d.activation
+        )
+        extra = one * m.moe_layers / sh.n_layers
+        kept_extra, working_extra = act.kept_layers(mode, every, layers, extra, 0.0, extra)
+        activations += micro * kept_extra + working_extra
+        per_layer, selective = per_layer + extra, selective + extra
     working = act.kept_layers(mode, every, layers, per_layer, inp, selective)[1]
     activations -= working  # live only while a layer recomputes: its own moment (plan/peak.py)
     kept = [act.kept_layers(mode, every, 1, per_layer, inp, selective)[0]] * layers

@@ -152,7 +152,7 @@ def _step_tracker(by_module: bool = True) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            self._mod_tracker = _NoModules()
+            self._mod_tracker = _NoModules()  # type: ignore[assignment]
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             pass
