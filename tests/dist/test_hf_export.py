@@ -75,6 +75,22 @@ def test_hf_run_exported_loads_with_from_pretrained(tmp_path: Path) -> None:
     _check_export(tmp_path / "run", src, res["params"], tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_moe_run_exported_in_the_layout_save_pretrained_writes(tmp_path: Path) -> None:
+    """A Mixtral run (one process) exported: every expert's matrices under the names save_pretrained writes (the
+    source directory's), loaded by from_pretrained with no missing or unexpected keys, with the trained logits."""
+    from paratrain.models.hf_weights import checkpoint_keys
+    from tests._hf_models import TEXT, make_hf_dir
+
+    src = make_hf_dir(tmp_path / "mixtral", "mixtral")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 10)
+    res = train_cases([_case(src, corpus, "strategy.name=single")], str(tmp_path / "run"))[0]
+    _check_export(tmp_path / "run", src, res["params"], tmp_path)
+    stored = checkpoint_keys(tmp_path / "out")
+    assert stored == checkpoint_keys(src) and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in stored
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hf_run_exported_from_zero3_loads_with_from_pretrained(dist_run: Any, tmp_path: Path) -> None:

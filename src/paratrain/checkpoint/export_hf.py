@@ -5,7 +5,11 @@ safetensors`` with ``model.safetensors.index.json`` (``--max-shard-size``), ``ge
 tokenizer files when the run had them, so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it.
 
 - A run of ``--model hf:DIR``: the names already are Hugging Face's; ``config.json``, the generation config
-  and the tokenizer files come from ``DIR`` (the ``dtype`` set to the checkpoint's, fp32).
+  and the tokenizer files come from ``DIR`` (the ``dtype`` set to the checkpoint's, fp32). Tensors that
+  ``transformers`` stores in another layout than it holds them (a mixture of experts' stacked
+  ``experts.gate_up_proj``, saved as each expert's matrices) are written as ``save_pretrained`` writes them,
+  through ``transformers``' own ``revert_weight_conversion`` for the model, so readers of the published
+  layout load the export too.
 - A run of paratrain's ``llama-*``: a ``LlamaForCausalLM`` directory through the state-dict adapter of
   :mod:`paratrain.models.hf_llama` (names mapped, ``wq``/``wk`` rows permuted for ``rotate_half``).
 
@@ -86,6 +90,7 @@ def export_hf(
             sizes[key[len("model.") :]] = meta.size.numel() * meta.properties.dtype.itemsize
 
     convert, config, src = _source(name, model_cfg, state, md)
+    revert = _stored_layout(config) if name.startswith("hf:") else (lambda tensors: tensors)
     if config.get("tie_word_embeddings"):
         sizes.pop("lm_head.weight", None)  # saved once, as the embedding (save_pretrained does the same)
     shards = _plan_shards(sizes, limit)
@@ -102,6 +107,7 @@ def export_hf(
                 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             )
             tensors = dict(convert(n, t) for n, t in load_full_model(p, keys=names, verify=False).items())
+            tensors = {n: t.contiguous() for n, t in revert(tensors).items()}
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             for n, t in tensors.items():
                 weight_map[n] = file
@@ -132,6 +138,21 @@ def export_hf(
         "bytes": total,
         "copied": copied,
     }
+
+
+def _stored_layout(config: dict[str, Any]) -> Any:
+    """``revert(tensors) -> tensors`` in the layout ``save_pretrained`` writes for the model of ``config``
+    (``transformers``' conversion mapping reversed, on a meta-device build of the model); the identity for a
+    model whose tensors are stored as it holds them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    kind = str(config.get("model_type", ""))
+    hf_config = AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return lambda tensors: revert_weight_conversion(model, tensors)
 
 
 def _source(
