@@ -52,8 +52,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
-from paratrain.models.hf_arch import HF_CLASS_ATTR
-from paratrain.models.spec import expert_layers
+from paratrain.models.spec import expert_layers, spec_of
 from paratrain.parallel.grads import (
     all_reduce_replicas,
     clip_grad_norm,
@@ -289,10 +288,11 @@ def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> 
     ``ep`` borrows from; the degrees suggested divide them too)."""
     layers = expert_layers(model)
     if not layers:
-        hf_class = getattr(model, HF_CLASS_ATTR, None)  # a transformers model: its MoE modules are not split
-        raise ConfigError(
-            hf_no_ep(hf_class.__name__, ep) if hf_class else no_moe_layer(type(model).__name__, ep)
-        )
+        family = str(
+            getattr(spec_of(model), "family", "")
+        )  # "hf:Arch": transformers' MoE modules are not split
+        hf = family.startswith("hf:")
+        raise ConfigError(hf_no_ep(family[3:], ep) if hf else no_moe_layer(type(model).__name__, ep))
     n = layers[0].n_experts
     if n % ep:
         divisors = [d for d in range(2, n + 1) if n % d == 0 and (ranks is None or ranks % d == 0)]
