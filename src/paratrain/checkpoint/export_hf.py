@@ -144,11 +144,16 @@ def _stored_layout(config: dict[str, Any]) -> Any:
     """``revert(tensors) -> tensors`` in the layout ``save_pretrained`` writes for the model of ``config``
     (``transformers``' conversion mapping reversed, on a meta-device build of the model); the identity for a
     model whose tensors are stored as it holds them."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    kind = str(config.get("model_type", ""))
+    names = [*(config.get("architectures") or []), kind]
+    if not any(get_checkpoint_conversion_mapping(n) for n in names):  # stored as held: nothing to build
+        return lambda tensors: tensors
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    kind = str(config.get("model_type", ""))
     hf_config = AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)

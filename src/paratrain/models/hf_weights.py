@@ -50,16 +50,21 @@ def _canonical(name: str) -> str:
 
 def checkpoint_keys(d: Path) -> set[str]:
     """Tensor names stored in the safetensors files of ``d`` (from the index, or the file headers)."""
+    return set(_weight_map(d))
+
+
+def _weight_map(d: Path) -> dict[str, str]:
+    """``{stored tensor name: file name}`` of ``d`` (from the index, or the file headers)."""
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
+        return dict(json.loads(index.read_text())["weight_map"])
     from safetensors import safe_open
 
-    keys: set[str] = set()
+    where: dict[str, str] = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            keys.update(h.keys())
-    return keys
+            where.update(dict.fromkeys(h.keys(), f.name))
+    return where
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -129,21 +134,17 @@ def _map_keys(
     return whole, assembled
 
 
-def _assemble(d: Path, converter: Any, sources: dict[str, list[str]], like: torch.Tensor) -> torch.Tensor:
-    """The whole tensor ``converter`` builds from the stored ``sources`` (read from ``d``), as ``like``'s
-    dtype."""
+def _assemble(
+    d: Path, files: dict[str, str], converter: Any, sources: dict[str, list[str]], like: torch.Tensor
+) -> torch.Tensor:
+    """The whole tensor ``converter`` builds from the stored ``sources`` (read from ``d``, ``files``: stored key
+    -> file name), as ``like``'s dtype."""
     from safetensors import safe_open
 
-    index = d / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     handles: dict[str, Any] = {}
 
     def read(key: str) -> torch.Tensor:
-        name = (
-            files[key]
-            if files is not None
-            else next(f.name for f in sorted(d.glob("*.safetensors")) if key in _keys_of(f))
-        )
+        name = files[key]
         if name not in handles:
             handles[name] = safe_open(str(d / name), framework="pt")
         return handles[name].get_tensor(key).to(like.dtype)
@@ -158,13 +159,6 @@ def _assemble(d: Path, converter: Any, sources: dict[str, list[str]], like: torc
         )
     (full,) = tensors.values()
     return full
-
-
-def _keys_of(f: Path) -> set[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(f), framework="pt") as h:
-        return set(h.keys())
 
 
 def _copy_into(t: Any, full: torch.Tensor, key: str, d: Path) -> None:
@@ -197,7 +191,8 @@ def load_state_dict_from_hf(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    stored, assembled = _map_keys(checkpoint_keys(d), transforms)
+    files = _weight_map(d)
+    stored, assembled = _map_keys(set(files), transforms)
     have = set(stored)
     tied_keys = tied_keys or {}
     storages: dict[int, str] = {}
@@ -234,7 +229,8 @@ def load_state_dict_from_hf(
     for key in built:  # one assembled tensor at a time: its whole, then this rank's part of it
         converter, sources = assembled[key]
         t = state_dict[key]
-        _copy_into(t, _assemble(d, converter, sources, t.to_local() if hasattr(t, "to_local") else t), key, d)
+        like = t.to_local() if hasattr(t, "to_local") else t
+        _copy_into(t, _assemble(d, files, converter, sources, like), key, d)
 
 
 def materialize_and_load(model: nn.Module, device: torch.device) -> None:

@@ -288,11 +288,10 @@ def check_model_experts(model: nn.Module, ep: int, ranks: int | None = None) -> 
     ``ep`` borrows from; the degrees suggested divide them too)."""
     layers = expert_layers(model)
     if not layers:
-        family = str(
-            getattr(spec_of(model), "family", "")
-        )  # "hf:Arch": transformers' MoE modules are not split
-        hf = family.startswith("hf:")
-        raise ConfigError(hf_no_ep(family[3:], ep) if hf else no_moe_layer(type(model).__name__, ep))
+        family = str(getattr(spec_of(model), "family", ""))
+        if family.startswith("hf:"):  # a transformers model: ep does not split its MoE modules
+            raise ConfigError(hf_no_ep(family[3:], ep))
+        raise ConfigError(no_moe_layer(type(model).__name__, ep))
     n = layers[0].n_experts
     if n % ep:
         divisors = [d for d in range(2, n + 1) if n % d == 0 and (ranks is None or ranks % d == 0)]

@@ -137,7 +137,9 @@ def default_layouts(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, L
     if sh is None:
         return out
     tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if t > 1 and g % t == 0]
-    if spec.moe is not None or "tp" not in spec.splits:  # MoE: the experts are split by ep instead
+    if (
+        spec.moe is not None or "tp" not in spec.splits
+    ):  # MoE: ep splits the experts; an HF arch without a plan
         tps = []
     pps = [p for p in (2, 4, 8) if g % p == 0 and p <= sh.n_layers and "pp" in spec.splits]
     pairs = [(t, 1) for t in tps] + [(1, p) for p in pps]

@@ -38,7 +38,9 @@ def candidates(spec: ModelSpec, cluster: Cluster) -> list[tuple[str, str, Layout
     g, out = cluster.gpus, []
     sh = spec.shape
     tps = [t for t in lay.valid_tp(sh, min(cluster.gpus_per_node, g)) if g % t == 0]
-    if spec.moe is not None or "tp" not in spec.splits:  # MoE: the experts are split by ep instead
+    if (
+        spec.moe is not None or "tp" not in spec.splits
+    ):  # MoE: ep splits the experts; an HF arch without a plan
         tps = [1]
     for t in tps:
         pps = [p for p in _divisors(g // t) if sh is not None and p <= sh.n_layers] if sh else [1]
