@@ -969,3 +969,24 @@ def test_zero2_packing_holds_the_units_ahead_and_the_flowing_gradients() -> None
     assert m.terms["gradient being packed"] == 128 * 128 * 4
     assert m.terms["activations"] == 24576 + 32768 and m.terms["output and input gradients"] == 2 * 16384
     assert m.total == pytest.approx(465040, rel=0.02)
+
+
+def test_a_gpt_shape_is_reshaped_by_set_model_fields() -> None:
+    """``--set model.*`` reshapes the shape-only GPT-3 preset as it reshapes a Llama one (it was ignored: the
+    plan of a 1.7B GPT came out for 175B): Megatron-LM's parameter count (Narayanan et al. 2021, eq. 2:
+    12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)), plus the final LayerNorm's 2h) for the reshaped model, a 4·h MLP
+    and one KV head per head kept, learned positions that cover --seq-len, and a GQA request refused."""
+    layers, h, vocab = 24, 2304, 50257
+    base = ("--model", "gpt3-175b", "--strategy", "ddp", "--gpus", "8", "--precision", "bf16")
+    reshaped = _plan_json(*base, "--set", f"model.n_layers={layers}", f"model.dim={h}", "model.n_heads=24")
+
+    def eq2(seq: int) -> float:
+        return 12 * layers * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * layers * h)) + 2 * h
+
+    assert reshaped["num_params"] == pytest.approx(eq2(2048), rel=1e-9)
+    longer = _plan_json(*base, "--seq-len", "4096", "--set", f"model.n_layers={layers}", f"model.dim={h}",
+                        "model.n_heads=24")  # fmt: skip
+    assert longer["num_params"] == pytest.approx(eq2(4096), rel=1e-9)
+    assert _plan_json(*base)["num_params"] == 174_604_259_328  # unchanged without --set
+    with pytest.raises(ConfigError, match="one key/value head per attention head"):
+        _plan_json(*base, "--set", "model.n_kv_heads=8")

@@ -23,6 +23,7 @@ from paratrain.plan.api import Workload, plan
 from paratrain.plan.model import (
     FALLBACK_SHAPES,
     ModelSpec,
+    TransformerShape,
     shape_from_config,
     spec_from_module,
     spec_from_params,
@@ -192,6 +193,28 @@ def _llama_config(req: Request, notes: list[str]) -> Any:
     return resolve_config(name, overrides)
 
 
+def _reshaped(shape: TransformerShape, req: Request) -> TransformerShape:
+    """A shape-only preset (``gpt3-175b``) with the ``--set model.*`` fields applied, as a Llama preset takes
+    them; a GPT keeps its conventions where a field is not given (4·dim MLP, one KV head per head), and its
+    learned positions cover ``--seq-len``."""
+    m = req.cfg.model
+    given = {k: getattr(m, k) for k in LLAMA_FIELDS if req.has(f"model.{k}")}
+    tied = given.pop("tie_embeddings", None)
+    values = {**given, **({"tied_embeddings": bool(tied)} if tied is not None else {})}
+    if shape.arch == "gpt":
+        if "n_kv_heads" in values and values["n_kv_heads"] != values.get("n_heads", shape.n_heads):
+            raise ConfigError(
+                f"model.n_kv_heads={values['n_kv_heads']}: a GPT shape has one key/value head per attention "
+                "head; leave model.n_kv_heads unset (it follows model.n_heads)."
+            )
+        values.setdefault("n_kv_heads", values.get("n_heads", shape.n_heads))
+        values.setdefault("ffn_hidden", 4 * values.get("dim", shape.dim))
+    seq = req.value("data.seq_len")
+    if seq is not None:
+        values.setdefault("max_seq_len", max(shape.max_seq_len, seq))
+    return replace(shape, **values) if values else shape
+
+
 def _data_shape(req: Request) -> tuple[tuple[int, ...], int]:
     """Input shape and outputs of the run's dataset (train builds the model for them; digits by default)."""
     if not req.has("data.name") and req.cfg.data.name == "digits":
@@ -264,6 +287,8 @@ def model_spec(args: argparse.Namespace, builder: ModelBuilder | None = None, re
     if module is None:
         if shape is None:
             raise ConfigError(f"model {name!r}: the builder returned neither a module nor a shape.")
+        if builder is None and name in FALLBACK_SHAPES:
+            shape = _reshaped(shape, req)
         return replace(spec_from_shape(shape, name), moe=moe)
     spec = spec_from_module(module, name, shape=shape, input_shape=None if shape else DIGITS_INPUT)
     return replace(spec, moe=moe)
