@@ -83,6 +83,9 @@ MODELS["llama-moe-small"] = {
     "plan": ["--model", "llama-moe-small", "--seq-len", "128", "--batch-size", "8"],
 }  # fmt: skip
 DEFAULT_MODELS = ["mlp", "llama-debug", "llama-small"]
+ACCUM_STRATEGIES = ("zero3-accum", "zero3-accum-sharded")
+"""Gradient accumulation under zero3, unsharded and with --shard-accumulated-grads (--strategies zero3-accum
+zero3-accum-sharded, stored as plan_vs_measured_accum.json); not in a run without --strategies."""
 """What a run without --models measures (the MoE rows: --models llama-moe-small hf-mixtral hf-qwen3-moe
 --strategies ddp zero2 zero3, stored as plan_vs_measured_moe.json)."""
 _HF_DIR: list[Path] = []
@@ -103,6 +106,14 @@ STRATEGIES = {  # name -> extra flags shared by train and plan (n = ranks)
     "zero1": lambda n: ["--strategy", "zero1"],
     "zero2": lambda n: ["--strategy", "zero2"],
     "zero3": lambda n: ["--strategy", "zero3"],
+    "zero3-accum": lambda n: ["--strategy", "zero3", "--grad-accum", "2"],
+    "zero3-accum-sharded": lambda n: [
+        "--strategy",
+        "zero3",
+        "--grad-accum",
+        "2",
+        "--shard-accumulated-grads",
+    ],
     "tp": lambda n: ["--strategy", "tp", "--tp", str(n)],
     "pp": lambda n: ["--strategy", "pp", "--pp", str(n), "--microbatches", "4"],
     "fsdp+tp": lambda n: ["--strategy", "fsdp+tp", "--tp", "2", "--dp-shard", str(n // 2)],
@@ -195,7 +206,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="strategies ddp/zero1/zero2/zero3 only")
     ap.add_argument("--nproc", type=int, nargs="+", default=[2])
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
-    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    ap.add_argument("--strategies", nargs="+", default=[s for s in STRATEGIES if s not in ACCUM_STRATEGIES])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument(

@@ -129,6 +129,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int, float | None]]] = {
     ],
     4: [
         ("fsdp+tp", {"tp": 2}, 1, 0.5),  # 2 x 2: tp innermost, FSDP2 over dp_shard
+        ("fsdp+tp", {"tp": 2, "shard_accumulated_grads": True}, 2, None),  # a reduce-scatter every micro-step
         ("tp", {"tp": 2}, 1, None),  # 2 replicas of a 2-way TP model
         ("fsdp+pp", {"pp": 2, "pp_schedule": "1f1b"}, 1, 0.5),
         ("fsdp+pp", {"pp": 2, "pp_schedule": "interleaved-1f1b"}, 2, None),

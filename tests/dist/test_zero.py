@@ -39,7 +39,8 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.02}], lr=0.01
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.02}],
+        lr=0.01,
     )
 
 
@@ -75,10 +76,14 @@ def _full_optim(model: nn.Module, opt: Any) -> dict[str, dict[str, torch.Tensor]
     """The full (unsharded) optimizer state export, keyed by parameter name, on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    osd = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() != 0:
         return {}
-    return {k.removeprefix("module."): {n: v.clone() for n, v in st.items()} for k, st in osd["state"].items()}
+    return {
+        k.removeprefix("module."): {n: v.clone() for n, v in st.items()} for k, st in osd["state"].items()
+    }
 
 
 def _build(strategy: str, options: dict[str, Any] | None = None) -> tuple[nn.Module, Any, Any]:
@@ -89,7 +94,9 @@ def _build(strategy: str, options: dict[str, Any] | None = None) -> tuple[nn.Mod
     return setup(model, _optimizer(model), strategy=strategy, ctx=init(seed=None), **(options or {}))
 
 
-def _steps(model: nn.Module, opt: Any, strat: Any, steps: range, accum: int = 1, clip: float | None = None) -> list[float]:
+def _steps(
+    model: nn.Module, opt: Any, strat: Any, steps: range, accum: int = 1, clip: float | None = None
+) -> list[float]:
     """The training loop on this rank (rank r of N takes sub-block r of each global batch)."""
     x, y = _data()
     n, r = strat.dp_size, strat.dp_rank
@@ -115,7 +122,9 @@ def _steps(model: nn.Module, opt: Any, strat: Any, steps: range, accum: int = 1,
     return losses
 
 
-def _train(strategy: str, options: dict[str, Any], accum: int = 1, clip: float | None = None) -> dict[str, Any]:
+def _train(
+    strategy: str, options: dict[str, Any], accum: int = 1, clip: float | None = None
+) -> dict[str, Any]:
     """Train with ``paratrain.setup`` on this rank; global mean losses, full params, group options."""
     model, opt, strat = _build(strategy, options)
     losses = _steps(model, opt, strat, range(STEPS), accum, clip)
@@ -138,6 +147,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int, float | None, float]]] = {
         ("hsdp", {}, 1, None, 1e-5),  # default shard size 1: 2 replicas of an unsharded model
         ("hsdp", {"shard_size": 2}, 1, None, 1e-5),
         ("zero2", {}, 2, 0.5, 1e-5),  # accumulation (no_sync) + global-norm clipping
+        ("zero3", {"shard_accumulated_grads": True}, 2, 0.5, 1e-5),  # a reduce-scatter on every micro-step
     ],
     4: [
         ("zero1", {}, 1, None, 1e-5),
@@ -148,6 +158,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], int, float | None, float]]] = {
         ("zero2", {"bucket_cap_mb": 0.002}, 1, 0.5, 1e-5),  # ~2 KB buckets: several reduce-scatters in flight
         ("zero3", {}, 2, 0.5, 1e-5),
         ("hsdp", {"shard_size": 2}, 1, 0.5, 1e-5),
+        ("hsdp", {"shard_size": 2, "shard_accumulated_grads": True}, 2, None, 1e-5),
         ("zero3", {"offload": True, "shard_units": "root"}, 1, None, 1e-5),  # on CPU: the same code path
     ],
 }
@@ -165,7 +176,9 @@ def _memory(names: list[str]) -> dict[str, tuple[int, int]]:
         torch.manual_seed(0)
         model = MLP(64, 256, 3, 10)
         psi = sum(p.numel() for p in model.parameters())
-        model, opt, _ = setup(model, torch.optim.AdamW(model.parameters()), strategy=name, ctx=init(seed=None))
+        model, opt, _ = setup(
+            model, torch.optim.AdamW(model.parameters()), strategy=name, ctx=init(seed=None)
+        )
         nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
         opt.step()
         held = torch.tensor([model_state_bytes(model, opt)])
@@ -195,7 +208,8 @@ def zero_formula(name: str, psi: int, n: int) -> float:
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "world", [pytest.param(w, marks=pytest.mark.equivalence(*sorted({c[0] for c in CASES[w]}))) for w in (1, 2, 4)]
+    "world",
+    [pytest.param(w, marks=pytest.mark.equivalence(*sorted({c[0] for c in CASES[w]}))) for w in (1, 2, 4)],
 )
 def test_sharded_strategies_match_single_process(dist_run: Any, world: int) -> None:
     results, memory = dist_run(_all_cases, world, world, timeout_s=170)[0]
@@ -223,6 +237,35 @@ def test_sharded_strategies_match_single_process(dist_run: Any, world: int) -> N
         assert res["groups"] == [{"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.02, "weight_decay": 0.0}], label
         assert res["group_sizes"] == [LAYERS + 1, LAYERS + 1], label
         assert not math.isnan(res["losses"][-1])
+
+
+def _grads_after_a_first_micro_step() -> dict[str, Any]:
+    """Gradients held after the first of two accumulation micro-steps, with and without
+    ``shard_accumulated_grads``: the local gradient shard already reduced, or none yet (FSDP2 holds the
+    unsharded accumulation inside, and reduces on the last micro-step)."""
+    out: dict[str, Any] = {}
+    x, y = _data()
+    for shard in (False, True):
+        model, _opt, strat = _build("zero3", {"shard_accumulated_grads": shard})
+        with strat.no_sync(model):
+            nn.functional.cross_entropy(model(x[:4]), y[:4]).backward()
+        grads = [p.grad for p in model.parameters()]
+        out[str(shard)] = {
+            "held": sum(g is not None for g in grads),
+            "local": sum(g.to_local().numel() for g in grads if g is not None),
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_shard_accumulated_grads_reduces_on_every_micro_step(dist_run: Any) -> None:
+    res = dist_run(_grads_after_a_first_micro_step, 2, timeout_s=110)[0]
+    assert res["False"]["held"] == 0  # unsharded accumulation, reduced on the last micro-step
+    n = len(list(_model().parameters()))
+    assert res["True"]["held"] == n  # every parameter's gradient shard, reduced already
+    assert res["True"]["local"] <= res["True"]["params"] / 2 + 16 * 257  # half of each tensor (dim-0 padding)
 
 
 # ---- checkpoints: DCP sharded save/load, across strategies -------------------------------------------------
@@ -266,11 +309,15 @@ def test_checkpoint_save_load_across_strategies(dist_run: Any, tmp_path: Any) ->
                 assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
                 for n, v in st.items():
                     assert v.shape == loaded_optim[k][n].shape == (saved[k].shape if n != "step" else ())
-                    torch.testing.assert_close(loaded_optim[k][n], v, rtol=0, atol=0, msg=f"{saver}->{loader}: {k}.{n}")
+                    torch.testing.assert_close(
+                        loaded_optim[k][n], v, rtol=0, atol=0, msg=f"{saver}->{loader}: {k}.{n}"
+                    )
             # ... and so is the optimizer state: the next step is the uninterrupted run's next step
             assert losses == pytest.approx(cont_losses, abs=1e-6), (saver, loader)
             for k in cont_params:
-                torch.testing.assert_close(params[k], cont_params[k], rtol=1e-5, atol=1e-6, msg=f"{saver}->{loader}")
+                torch.testing.assert_close(
+                    params[k], cont_params[k], rtol=1e-5, atol=1e-6, msg=f"{saver}->{loader}"
+                )
     # a fresh optimizer would take a different 3rd step (Adam's first step is ~lr per element): the check bites
     model = _model()
     fresh = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -278,7 +325,9 @@ def test_checkpoint_save_load_across_strategies(dist_run: Any, tmp_path: Any) ->
     x, y = _data()
     nn.functional.cross_entropy(model(x[2 * BATCH : 3 * BATCH]), y[2 * BATCH : 3 * BATCH]).backward()
     fresh.step()
-    diff = max((p.detach() - out["zero3:continued"][1][n]).abs().max().item() for n, p in model.named_parameters())
+    diff = max(
+        (p.detach() - out["zero3:continued"][1][n]).abs().max().item() for n, p in model.named_parameters()
+    )
     assert diff > 1e-4
 
 

@@ -3,6 +3,7 @@ strategies' checks, which run in the launching process before any worker starts.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -98,6 +99,14 @@ def test_hsdp_needs_two_ranks() -> None:
 def test_offload_only_with_strategies_that_can(name: str) -> None:
     with pytest.raises(ConfigError, match=rf"--offload .* strategy '{name}'.*can offload: hsdp, zero3"):
         check_strategy(get_strategy(name), 2, _cfg(name=name, offload=True))
+
+
+@pytest.mark.parametrize("name", ["ddp", "dp", "zero1", "zero2", "tp", "pp", "fsdp+pp", "fsdp+tp+pp"])
+def test_shard_accumulated_grads_only_with_fsdp_without_a_pipeline(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--shard-accumulated-grads .*not '{re.escape(name)}'"):
+        check_strategy(get_strategy(name), 4, _cfg(name=name, shard_accumulated_grads=True))
+    for ok in ("zero3", "hsdp", "fsdp+tp"):
+        check_strategy(get_strategy(ok), 4, _cfg(name=ok, shard_accumulated_grads=True))
 
 
 def test_other_sharding_options_are_refused_where_they_do_not_apply() -> None:

@@ -180,6 +180,12 @@ class StrategyConfig:
     mixed_precision: str = choice("fp32", ("fp32", "bf16"))
     """``zero3``/``hsdp``: ``fp32``, or ``bf16`` (bf16 parameters for compute and bf16 gradient reduction,
     fp32 sharded master weights and optimizer state; FSDP2 ``MixedPrecisionPolicy``)."""
+    shard_accumulated_grads: bool = option(False)
+    """FSDP2 strategies without a pipeline (``zero3``, ``hsdp``, ``fsdp+tp``, ``fsdp+ep``, ``fsdp+tp+ep``) with
+    ``--grad-accum`` > 1: reduce-scatter the gradients on every accumulation micro-step and accumulate the
+    shards (DeepSpeed ZeRO-3's and torchtitan's way: one gradient shard held, one reduce-scatter per micro-step)
+    instead of accumulating the full unsharded gradients and reducing once (the default: fewer collectives, a
+    whole model's gradients held on each rank)."""
     shard_units: str = "blocks"
     """``zero3``/``hsdp``: modules wrapped as their own shard unit before the root: ``blocks`` (each of
     ``model.blocks``), ``root`` (only the whole model), or comma-separated submodule names (``blocks.0,head``)."""

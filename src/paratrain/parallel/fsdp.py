@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.parallel.grads import clip_grad_norm, no_gradient_sync
+from paratrain.parallel.grads import accumulation_sync, clip_grad_norm
 from paratrain.parallel.optim import parameter_names, rebind_optimizer
 from paratrain.parallel.parallelize import model_blocks
 from paratrain.parallel.registry import register_strategy
@@ -163,7 +163,7 @@ class _FullyShard(Strategy):
         return model, rebind_optimizer(optimizer, names, model)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return no_gradient_sync(model)
+        return accumulation_sync(model, self.config.shard_accumulated_grads)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to the global L2 norm: the local shards' squares, summed over the axes each gradient is sharded

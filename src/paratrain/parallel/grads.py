@@ -152,6 +152,13 @@ def all_reduce_replicas(params: Iterable[nn.Parameter], group: Any, bucket_bytes
             offset += g.numel()
 
 
+def accumulation_sync(model: nn.Module, shard_accumulated: bool) -> contextlib.AbstractContextManager[None]:
+    """An FSDP2 strategy's context for an accumulation micro-step: no gradient sync (gradients accumulate
+    unsharded), or, with ``strategy.shard_accumulated_grads``, the usual reduce-scatter (FSDP2 accumulates into
+    the sharded gradients)."""
+    return contextlib.nullcontext() if shard_accumulated else no_gradient_sync(model)
+
+
 @contextlib.contextmanager
 def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2: no reduce-scatter (nor HSDP's all-reduce) on this micro-step; gradients accumulate unsharded,

@@ -46,10 +46,10 @@ from paratrain.config import StrategyConfig
 from paratrain.errors import ConfigError
 from paratrain.models.spec import expert_layers, spec_of
 from paratrain.parallel.grads import (
+    accumulation_sync,
     align_grads,
     all_reduce_replicas,
     clip_grad_norm,
-    no_gradient_sync,
     replicated_value,
     to_local,
 )
@@ -218,7 +218,9 @@ class _TensorParallel(ModelParallel):
         return model, rebind_optimizer(optimizer, names, model)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return no_gradient_sync(model) if self.uses_fsdp else contextlib.nullcontext()
+        if not self.uses_fsdp:
+            return contextlib.nullcontext()
+        return accumulation_sync(model, self.config.shard_accumulated_grads)
 
     def forward_backward(
         self, model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Any, micro_batches: int

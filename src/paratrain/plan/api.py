@@ -215,6 +215,8 @@ PEER_DEFAULTS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ("--activation-checkpointing selective", {"activation_checkpointing": "selective"}, "torchtitan's default: "
      "keep matmul and attention outputs, recompute the cheap ops"),
     ("--activation-checkpointing full", {"activation_checkpointing": "full"}, "each block keeps only its input"),
+    ("--shard-accumulated-grads", {"shard_accumulated_grads": True}, "torchtitan and DeepSpeed ZeRO-3 "
+     "reduce-scatter on every accumulation micro-step and hold one gradient shard, not the whole gradients"),
 )  # fmt: skip
 """Options the peers turn on by default that a plan that does not fit is tried with (:func:`advice`). FSDP's
 ``reshard_after_forward=False`` (torchtitan's choice under PP) costs memory rather than saving it, and
@@ -233,6 +235,10 @@ def advice(
         if "loss_parallel" in change and layout.tp == 1:
             continue
         if "activation_checkpointing" in change and w.activation_checkpointing != "none":
+            continue
+        if "shard_accumulated_grads" in change and not (
+            sharding == "full" and layout.pp == 1 and w.grad_accum > 1
+        ):
             continue
         try:
             p = evaluate(spec, strategy, sharding, layout, replace(w, **change), cluster)

@@ -151,6 +151,7 @@ def step_ops(
     first: bool = False,
     last: bool = False,
     chunks: int = 1,
+    sync_every_accum: bool = False,
 ) -> list[CommOp]:
     """The collectives one rank issues in one optimizer step.
 
@@ -163,7 +164,9 @@ def step_ops(
       reduce-scatter of the gradients during backward + all-gather of the parameters after the step (2Ψ).
       FSDP: all-gather before each unit's forward and again before its backward, reduce-scatter of its
       gradients (3Ψ; the gathers repeat on every accumulation micro-step), plus, with dp_replicate > 1
-      (HSDP), an all-reduce of the gradient shard (2Ψ/dp_shard) across replicas.
+      (HSDP), an all-reduce of the gradient shard (2Ψ/dp_shard) across replicas. With ``sync_every_accum``
+      (``--shard-accumulated-grads``) the gradient sync repeats on every micro-step too, the earlier ones
+      behind the next micro-step's backward.
     - Tensor parallel (Megatron; Korthikanti et al. section 4.2.2): per layer and micro-batch, forward 2
       all-reduces of s·b·h and backward 2; with sequence parallelism forward 2 all-gathers + 2
       reduce-scatters and backward the same; recomputation repeats the forward ones. The vocabulary-parallel
@@ -189,6 +192,10 @@ def step_ops(
             ops.append(CommOp("dp_shard", "reduce_scatter", n, grads, units, "grad_sync"))
         if r > 1:
             ops.append(CommOp("dp_replicate", "all_reduce", r, grads / n, units, "grad_sync"))
+        if sync_every_accum and accum > 1:  # the earlier micro-steps' syncs, overlapped with backward
+            early = [CommOp(o.axis, o.kind, o.n, o.nbytes * (accum - 1), o.calls * (accum - 1), "backward")
+                     for o in ops if o.phase == "grad_sync"]  # fmt: skip
+            ops.extend(early)
     t = layout.tp
     if t > 1 and tokens_bytes > 0:
         # per layer: 2 forward + 2 backward (+ 2 forward again when recomputed); each is an all-reduce, or

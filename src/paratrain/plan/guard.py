@@ -6,7 +6,8 @@ the planner and never imports it). It predicts the peak bytes per rank of the ru
 (:func:`paratrain.plan.api.plan` with the run's strategy, degrees, batch, precision and checkpointing) and
 compares it with the device's memory: the GPU's total memory, or on the CPU the machine's available memory
 divided among the local ranks. A run that does not fit is refused with the plan's figures and the cheapest
-change that fits, tried in this order: selective then full activation checkpointing, then a smaller micro-batch
+change that fits, tried in this order: with gradient accumulation under FSDP, ``--shard-accumulated-grads``
+(one gradient shard held instead of the whole gradients); selective then full activation checkpointing, then a smaller micro-batch
 (``--grad-accum`` doubled, the same global batch, up to 64x) with each, then a sharding strategy (zero2, zero3). ``--no-plan-check``
 launches anyway. The predicted peak goes into the run's summary beside the measured one.
 
@@ -97,6 +98,7 @@ def run_workload(cfg: RunConfig, input_shape: tuple[int, ...], pp: int, lm: bool
         optimizer_implementation=cfg.optimizer.implementation,
         sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel, pp_schedule=s.pp_schedule,
         bucket_cap_mb=s.bucket_cap_mb, gradient_as_bucket_view=s.gradient_as_bucket_view,
+        shard_accumulated_grads=s.shard_accumulated_grads,
     )  # fmt: skip
 
 
@@ -115,6 +117,11 @@ def cheapest_fit(
 ) -> str | None:
     """The first change (in the module docstring's order) under which the run fits, with its peak."""
     tries: list[tuple[str, Workload, str, dict[str, int]]] = []
+    if w.grad_accum > 1 and not w.shard_accumulated_grads and degrees.get("pp", 1) == 1:
+        # FSDP's accumulation holds the whole gradients unsharded; one reduce-scatter per micro-step holds a shard
+        tries.append(
+            ("--shard-accumulated-grads", replace(w, shard_accumulated_grads=True), strategy, degrees)
+        )
     modes = [m for m in ("selective", "full") if m != w.activation_checkpointing]
     for i in range(7):  # the micro-batch halved (--grad-accum doubled) up to 6 times, with each checkpointing
         accum = w.grad_accum * 2**i

@@ -79,6 +79,9 @@ class Workload:
     own FSDP reduces in the compute dtype (``--reduce-fp32`` off)."""
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
+    shard_accumulated_grads: bool = False
+    """FSDP without a pipeline, ``grad_accum`` > 1: reduce-scatter on every accumulation micro-step and hold one
+    gradient shard (train's ``--shard-accumulated-grads``) instead of the whole unsharded gradients."""
 
     def __post_init__(self) -> None:
         mode, every = act.checkpoint_policy(self.activation_checkpointing)
@@ -200,6 +203,19 @@ def _stage_outputs(
     first_logits = (m if w.pp_schedule == "gpipe" else 1) * logits if holds_last else 0.0
     kept = m * logits if holds_last else 0.0
     return k * not_last * inp + first_logits, later_k * not_last * inp + kept, kept
+
+
+def _shards_accumulated(sharding: str, layout: Layout, w: Workload) -> bool:
+    """FSDP reduce-scatters on every accumulation micro-step (``--shard-accumulated-grads``; not under a
+    pipeline, whose schedule synchronises on its last micro-batch)."""
+    return w.shard_accumulated_grads and sharding == "full" and layout.pp == 1
+
+
+def _unit_accumulation(sharding: str, layout: Layout, w: Workload, batch: Batch) -> str:
+    """:attr:`~paratrain.plan.peak.StepShape.unit_accumulation` of this layout."""
+    if sharding != "full" or layout.pp > 1 or batch.accum == 1:
+        return ""
+    return "sharded" if _shards_accumulated(sharding, layout, w) else "unsharded"
 
 
 def _accumulation(
@@ -338,6 +354,10 @@ def stage_peak(
         outputs = _stage_outputs(spec, st, layout, w, batch, d, inp)
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
+    if _shards_accumulated(
+        sharding, layout, w
+    ):  # each micro-step reduce-scatters: a later one holds the shard
+        acc = (0.0 if w.offload else states.grads, acc[1])
     units, root, kept = tuple(g.per_rank(t) for g in st.groups), st.root.per_rank(t), 0.0
     if spec.embedding_units and sharding == "full" and layout.pp == 1 and t == 1:
         # zero3/hsdp of an HF model: the embedding and the final norm + head are units, the root holds nothing;
@@ -353,7 +373,7 @@ def stage_peak(
         optimizer_kernel=pk.optimizer_kernel(w.optimizer, w.optimizer_implementation, cluster.on_cpu),
         bucket_bytes=w.bucket_cap_mb * 2**20, gradient_as_bucket_view=w.gradient_as_bucket_view,
         cast_copies=2 * psi if w.precision in ("bf16", "fp16") and sharding != "full" else 0.0,
-        accumulated_grads=acc[0], later_activations=acc[1],
+        accumulated_grads=acc[0], later_activations=acc[1], unit_accumulation=_unit_accumulation(sharding, layout, w, batch),
         later_unsharded_params=psi * gathered if sharding == "full" and n > 1 and acc[0] and layout.pp > 1 else 0.0,
         unit_param_bytes=unit_bytes, pipeline_buffers=buffers, stage_outputs=outputs[0],
         later_stage_outputs=outputs[1], kept_stage_outputs=outputs[2],
@@ -382,7 +402,7 @@ def stage_time(
         layout=layout, sharding=sharding, psi=st.psi, grad_bytes=_reduced_grad_bytes(sharding, w, d),
         param_bytes=d.param, compute_bytes=_gathered_bytes(spec, st, t, w, d)[1], units=layers + 1,
         bucket_bytes=w.bucket_cap_mb * 2**20, accum=batch.accum, tokens_bytes=hidden, layers=layers,
-        passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=st.first,
+        sync_every_accum=_shards_accumulated(sharding, layout, w), passes=batch.accum * batch.micro, sequence_parallel=sp, recompute=tp_rerun(mode, every), first=st.first,
         last=st.last, chunks=act.VIRTUAL_STAGES if w.pp_schedule == "interleaved-1f1b" else 1,
     )  # fmt: skip
     redo = recompute_fraction(spec, mode, every)

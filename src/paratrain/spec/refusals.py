@@ -68,6 +68,14 @@ def _check_options(spec: StrategySpec, config: StrategyConfig) -> None:
             f"strategy.mixed_precision={config.mixed_precision!r} is FSDP2's policy and needs one of "
             f"{_able('supports_mixed_precision')}; with {spec.name!r} use --precision bf16 (autocast) instead."
         )
+    if config.shard_accumulated_grads and not (spec.uses_fsdp and not spec.uses_pp):
+        able = ", ".join(n for n, x in STRATEGIES.items() if x.uses_fsdp and not x.uses_pp)
+        raise ConfigError(
+            f"--shard-accumulated-grads (strategy.shard_accumulated_grads) applies to the FSDP2 strategies "
+            f"without a pipeline ({able}), not {spec.name!r}"
+            + (": a pipeline schedule synchronises on its last micro-batch itself." if spec.uses_pp else ".")
+            + " Leave it out."
+        )
     if config.ep is not None and not spec.uses_ep:
         raise ConfigError(
             f"--ep {config.ep} splits the experts of a mixture-of-experts model, which strategy {spec.name!r} "
