@@ -1052,3 +1052,31 @@ def test_the_launch_guard_names_shard_accumulated_grads_first() -> None:
     )
     fix = cheapest_fit(spec, h100(64), w, "zero3", {})
     assert fix is not None and fix.startswith("--shard-accumulated-grads")
+
+
+def test_mpt_rows_at_their_published_hfu_give_their_published_throughput() -> None:
+    """benchmarks/bench_plan_mpt.py: MosaicML's 113 published MPT runs (125M-70B, 512-65,536 tokens, with and
+    without checkpointing, H100 and A100) planned at each row's published HFU come within 5% of its tokens/s,
+    and the GPT shape reshaped to MPT's counts MosaicML's published parameters exactly."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_plan_mpt.py"
+    module_spec = importlib.util.spec_from_file_location("bench_plan_mpt", path)
+    assert module_spec is not None and module_spec.loader is not None
+    mpt = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(mpt)
+    bench = mpt._published()
+    rows = mpt.rows()
+    assert len(rows) == 113
+    for row in rows:
+        p = bench._plan(row["argv"], row["published"]["hfu"])
+        got = bench._tokens_per_gpu(p)
+        assert got == pytest.approx(row["published"]["tokens_per_s_per_gpu"], rel=0.05), row["name"]
+    for model, seq, published in (("7b", 2048, 6_658_859_008), ("125m", 2048, 125_311_488),
+                                  ("1b", 65536, 1_445_974_016), ("30b", 8192, 30_019_254_272),
+                                  ("70b", 2048, 64_862_437_376)):  # fmt: skip
+        d, h, layers = mpt.SHAPES[model]
+        got = _plan_json("--model", "gpt3-175b", "--set", f"model.dim={d}", f"model.n_heads={h}",
+                         f"model.n_layers={layers}", "model.vocab_size=50368", "--seq-len", str(seq),
+                         "--strategy", "zero3", "--gpus", "8")["num_params"]  # fmt: skip
+        assert got == published, model
