@@ -36,7 +36,9 @@ rank-major so that one collective moves a whole bucket):
      ready, and freed there (``p.grad = None``); every hook first frees the send buffers of reductions
      that have completed (``is_completed()``), and a bucket's first gradient waits for the previous
      bucket's reduction before its send buffer is allocated. So one full-size send buffer exists at a
-     time: zero2's gradient memory peaks at one bucket, the 4Ψ/N shard and one fresh gradient, and the
+     time (the next bucket reuses the finished one's storage when it is as large: the collective's work
+     object, which Gloo's worker thread lets go of some moments after ``wait()`` returns, can keep the old
+     buffer alive past the next allocation): zero2's gradient memory peaks at one bucket, the 4Ψ/N shard and one fresh gradient, and the
      step's at 4Ψ + 12Ψ/N + one bucket + activations, within 10% (the reduction of a bucket overlaps the
      backward of the first gradient of the next, and its own filling with nothing: memory over overlap, as
      ZeRO-2 promises; ``tests/dist/test_zero2_peak.py``).
@@ -154,6 +156,7 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
         ]
         self.optim = clone_optimizer(optimizer, inner_groups)
         self._in_flight: deque[_Bucket] = deque()  # launched reduce-scatters, oldest first
+        self._spare: torch.Tensor | None = None  # zero2: the last finished send buffer, reused by the next
         self._on_gloo: bool | None = None  # known at the first reduction (the gradients' device)
         self.shm: Any = None
         self._executor: ThreadPoolExecutor | None = None
@@ -191,10 +194,24 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
             return
         if b.send is None:
             self._retire(keep=0)  # one full-size send buffer at a time: the previous bucket's reduction ends
-            b.send = torch.zeros(self.world * b.segment, dtype=g.dtype, device=g.device)
+            b.send = self._send_buffer(self.world * b.segment, g)
         s = self._slots[p]  # type: ignore[index]
         self._pack(self._rank_major(b.send, b, s), g.reshape(-1), s)
         p.grad = None
+
+    def _send_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed send buffer of ``numel`` elements: the finished bucket's storage when it is large enough
+        (no allocation beside a buffer the backend may still hold), else a new one (the spare is dropped)."""
+        spare, self._spare = self._spare, None
+        if (
+            spare is not None
+            and spare.numel() >= numel
+            and spare.dtype == like.dtype
+            and spare.device == like.device
+        ):
+            return spare[:numel].zero_()
+        del spare
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     @torch.no_grad()
     def _launch_reduce(self, b: _Bucket) -> None:
@@ -244,6 +261,10 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
             b.work.wait()
             if b.in_place:  # the all-reduced bucket: keep this rank's rows, free the rest
                 b.grad.copy_(b.send[self.rank * b.segment : (self.rank + 1) * b.segment])  # type: ignore[union-attr,index]
+            if self.shard_gradients and b.send is not None:  # zero2: the next bucket packs into its storage
+                base = b.send if b.send._base is None else b.send._base
+                if self._spare is None or base.numel() > self._spare.numel():
+                    self._spare = base
             b.work, b.send = None, None
             b.grad.div_(self.world)  # type: ignore[union-attr]  # sum -> mean, once per step
 
@@ -255,6 +276,7 @@ class ShardedOptimizer(ShardLayout, torch.optim.Optimizer):
             if not b.reduced:
                 self._launch_reduce(b)
         self._retire(keep=0)
+        self._spare = None  # no send buffer outlives the step's reduction
         for b in self.buckets:
             if b.grad is None:
                 continue  # one rank: the shards already point at the gradients
