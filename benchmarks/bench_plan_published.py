@@ -12,6 +12,8 @@ Rows (each with its source and conditions in ``ROWS``):
   parallelism, seq 32768 at local batch 8: the same tokens per micro-batch), full AC, compile + Float8; Table
   2's CP 1 row (8B FSDP 8 at seq 32768, full AC, compile + Float8) held out; memory and tokens/s/GPU on every
   row;
+- torchtitan's Llama 3.1 8B on 32 and 64 H200 (``benchmarks/llama3_8b_h200_2025-06_torchtitan.md``, Trainy, June
+  2025): FSDP, compile of the blocks and of the loss (``--compile-loss``) + Float8, held out;
 - IBM's fms-fsdp (README's throughput tables, https://github.com/foundation-model-stack/fms-fsdp): Llama 2 7B
   under HSDP (8-GPU shards), 13B (AC of every second block), 34B (held out) and 70B (AC of every block) under
   FSDP at local batch 2, seq 4096, on 128 A100s and 96 H100s, eager (2024-03) and torch.compile (2024-05, the
@@ -52,6 +54,11 @@ from paratrain.errors import ConfigError
 from paratrain.plan import cli as plan_cli
 
 GIB = 2**30
+TT_H200 = (
+    "torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025; torchtitan e7c0cae, torch "
+    "2.8.0a0, torchao 0afa4c1): 4 and 8 hosts of 8 H200, local batch 2, compile, float8 with FSDP float8 "
+    "all-gather; TPS/GPU and Memory(GiB) at the 100th iteration"
+)
 FMS = (
     "IBM fms-fsdp README (foundation-model-stack/fms-fsdp), training throughput table: Llama 2 7B (HSDP), 13B, "
     "34B, 70B (FSDP) at local batch 2, seq 4096, on 128 A100 80GB ('with 400Gbps') and 96 H100 ('with 800 Gbps'), "
@@ -231,6 +238,19 @@ ROWS: list[dict[str, Any]] = [
      "memory": ("peak_reserved", 75.3 * GIB), "tokens_per_s_per_gpu": 76, "family": "H100 fp8 compiled",
      "conditions": "Table 5's 1F1B layout at the same tokens per micro-batch (local batch 8: 8 micro-batches of one "
                    "32,768-token sequence, context parallelism off); torch.compile + Float8 + AsyncTP"},
+    *[
+        {"name": f"torchtitan (Trainy, 2025-06): Llama 3.1 8B, FSDP, {gpus} H200s", "source": TT_H200,
+         "argv": ["--model", "llama3-8b", "--strategy", "fsdp", "--cluster", "h200-nvlink-ib", "--gpus", str(gpus),
+                  "--batch-size", str(2 * gpus), "--seq-len", "8192", "--activation-checkpointing", "selective",
+                  "--precision", "bf16", "--reduce-fp32", "--fp8-all-gather", "--compile", "--fp8", "--compile-loss"],
+         "memory": ("peak_reserved", gib * GIB), "tokens_per_s_per_gpu": tps, "family": "H200 fp8 compiled",
+         "held_out_only": True,
+         "conditions": "local batch 2, seq 8192, selective op AC (llama3_8b.toml at e7c0cae), torch.compile of the "
+                       "blocks and of the loss (--compile-loss: torchtitan compiles the cross-entropy with "
+                       "training.compile since April 2025), Float8 with FSDP float8 all-gather; 400 Gb/s per GPU; "
+                       "held out: not in the efficiency fit (the H200 takes the H100's)"}
+        for gpus, tps, gib in ((32, 10938, 47.96), (64, 10753, 46.97))
+    ],
     *_fms_rows(),
     *[
         {"name": f"Megatron-LM: GPT-3 175B, TP 8 x PP 12 x DP {gpus // 96}, {gpus:,} A100s", "source": MEGATRON,

@@ -1080,3 +1080,18 @@ def test_mpt_rows_at_their_published_hfu_give_their_published_throughput() -> No
                          f"model.n_layers={layers}", "model.vocab_size=50368", "--seq-len", str(seq),
                          "--strategy", "zero3", "--gpus", "8")["num_params"]  # fmt: skip
         assert got == published, model
+
+
+def test_compile_loss_keeps_bf16_logits_and_one_gradient() -> None:
+    """--compile-loss (torchtitan compiles its cross-entropy with --compile since April 2025): the last stage
+    keeps the logits in bf16 instead of the fp32 log-probabilities, and backward starts with one bf16 gradient
+    of the logits instead of two fp32 ones (torchtitan's 8B on 32 H200s: planned 0.99 of the published
+    reserved memory with it, 1.35 without)."""
+    base = ("--model", "llama3-8b", "--strategy", "fsdp", "--gpus", "8", "--batch-size", "16", "--seq-len", "8192",
+            "--activation-checkpointing", "selective", "--precision", "bf16")  # fmt: skip
+    eager, compiled = (_plan_json(*base, *f)["plans"][0] for f in ((), ("--compile-loss",)))
+    logits = 8192 * 2 * 128256  # one rank's micro-batch of 2 sequences
+    assert eager["peak_moment"]["terms"]["loss gradient"] == 2 * logits * 4
+    assert compiled["peak_moment"]["terms"]["loss gradient"] == logits * 2
+    saved = eager["bytes_per_rank"]["activations"] - compiled["bytes_per_rank"]["activations"]
+    assert saved == logits * (4 - 2)

@@ -386,7 +386,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         offload=cfg.strategy.offload, attention=args.attention, sequence_parallel=cfg.strategy.sequence_parallel,
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
-        reduce_fp32=args.reduce_fp32, fp8_all_gather=args.fp8_all_gather,
+        reduce_fp32=args.reduce_fp32, fp8_all_gather=args.fp8_all_gather, compile_loss=args.compile_loss,
         shard_accumulated_grads=cfg.strategy.shard_accumulated_grads,
         fp8=args.fp8, compile=cfg.train.compile,
     )  # fmt: skip

@@ -76,18 +76,25 @@ def first_extra(shape: TransformerShape, s: int, b: float) -> float:
 
 
 def last_extra(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = False,
-               loss_parallel: bool = False, act_bytes: int = 4) -> float:  # fmt: skip
-    """Final norm (input, normed, rstd), the output layer's input, the targets and the log-softmax."""
+               loss_parallel: bool = False, act_bytes: int = 4, compiled_loss: bool = False) -> float:  # fmt: skip
+    """Final norm (input, normed, rstd), the output layer's input, the targets and the log-softmax (a compiled
+    cross-entropy keeps the logits in the compute dtype instead: the fused kernel never writes the fp32
+    log-probabilities)."""
     sb, h = s * b, shape.dim
     norm = (2 * sb * h + sb) * F32 / (t if sp else 1)
     head_input = sb * h * act_bytes  # all-gathered to the full sequence with SP, replicated without
-    log_probs = sb * shape.vocab_size * F32 / (t if loss_parallel else 1)
+    log_probs = sb * shape.vocab_size * (act_bytes if compiled_loss else F32) / (t if loss_parallel else 1)
     return norm + head_input + log_probs + sb * INT64
 
 
-def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parallel: bool = False) -> float:
+def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parallel: bool = False,
+              compiled_bytes: int = 0) -> float:  # fmt: skip
     """Transient bytes when backward starts: the gradients of the log-probabilities and of the logits (two
-    logits-sized fp32 tensors), three under loss parallelism (see the module docstring)."""
+    logits-sized fp32 tensors), three under loss parallelism (see the module docstring). A compiled
+    cross-entropy (``compiled_bytes``: the logits' dtype size) writes one gradient of the logits in their dtype
+    from one fused kernel."""
+    if compiled_bytes:
+        return s * b * shape.vocab_size * compiled_bytes / (t if loss_parallel else 1)
     if loss_parallel:
         return 3 * s * b * shape.vocab_size * F32 / t
     return 2 * s * b * shape.vocab_size * F32
@@ -95,7 +102,8 @@ def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parall
 
 def stage(shape: TransformerShape, *, layers: int, first: bool, last: bool, s: int, b: float, t: int = 1,
           sp: bool = False, loss_parallel: bool = False, attention: str = "sdpa", act_bytes: int = 4,
-          recompute: bool = False, micro: float = 1, checkpointing: str | None = None) -> float:  # fmt: skip
+          recompute: bool = False, micro: float = 1, checkpointing: str | None = None,
+          compiled_loss: bool = False) -> float:  # fmt: skip
     """Activation bytes of one pipeline stage with ``micro`` micro-batches in flight (as
     :func:`paratrain.plan.activations.stage`, with paratrain's own per-layer figure). Under full recomputation a
     layer keeps its input, the residual stream: sbh·E (÷ t with SP), plus one layer's working set; under
@@ -108,7 +116,7 @@ def stage(shape: TransformerShape, *, layers: int, first: bool, last: bool, s: i
     )
     per_micro = kept
     per_micro += first_extra(shape, s, b) if first else 0.0
-    per_micro += last_extra(shape, s, b, t, sp, loss_parallel, act_bytes) if last else 0.0
+    per_micro += last_extra(shape, s, b, t, sp, loss_parallel, act_bytes, compiled_loss) if last else 0.0
     return micro * per_micro + working
 
 

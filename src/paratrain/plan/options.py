@@ -30,6 +30,10 @@ class PlanConfig:
     fp8: bool = option(False)
     """Float8 linears (torchao Float8Linear, torchtitan's [float8]): the layers' matmuls at the GPU's fp8 peak,
     attention and the output layer at 16-bit; time only."""
+    compile_loss: bool = option(False)
+    """The cross-entropy compiled (torchtitan with --compile since April 2025; paratrain compiles the blocks
+    only): the logits kept in the compute dtype and one gradient of them, not fp32 log-probabilities and two
+    fp32 gradients; memory only."""
     moe_overload: float = option(1.0)
     """MoE: routed rows on the busiest rank over the mean (activations)."""
     cluster: str | None = option(None)

@@ -79,6 +79,10 @@ class Workload:
     own FSDP reduces in the compute dtype (``--reduce-fp32`` off)."""
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
+    compile_loss: bool = False
+    """The cross-entropy under ``torch.compile`` (torchtitan compiles it with ``--compile`` since April 2025;
+    paratrain's ``--compile`` compiles the blocks only): one fused kernel keeps the logits in the compute dtype
+    and writes one gradient of them, instead of the fp32 log-probabilities and two fp32 gradients."""
     shard_accumulated_grads: bool = False
     """FSDP without a pipeline, ``grad_accum`` > 1: reduce-scatter on every accumulation micro-step and hold one
     gradient shard (train's ``--shard-accumulated-grads``) instead of the whole unsharded gradients."""
@@ -278,13 +282,14 @@ def _transformer_activations(
     if sh.arch == "llama":  # paratrain's own Llama: what its ops keep (plan/implementation.py)
         activations = impl.stage(
             sh, layers=layers, first=st.first, last=st.last, s=s_, b=b_, t=t, sp=sp, loss_parallel=lp,
-            attention=w.attention, act_bytes=d.activation, checkpointing=ac, micro=micro,
+            attention=w.attention, act_bytes=d.activation, checkpointing=ac, micro=micro, compiled_loss=w.compile_loss,
         )  # fmt: skip
         per_layer = impl.layer(sh, s_, b_, t, sp, w.attention, d.activation)
         selective = impl.layer_selective(sh, s_, b_, t, sp, d.activation)
-        loss_grad = impl.loss_grad(sh, s_, b_, t, lp) if st.last else 0.0
+        cl = d.activation if w.compile_loss else 0
+        loss_grad = impl.loss_grad(sh, s_, b_, t, lp, cl) if st.last else 0.0
         before = micro * impl.first_extra(sh, s_, b_) if st.first else 0.0
-        released = impl.last_extra(sh, s_, b_, t, sp, lp, d.activation) if st.last else 0.0
+        released = impl.last_extra(sh, s_, b_, t, sp, lp, d.activation, w.compile_loss) if st.last else 0.0
     else:  # no GPT implementation in paratrain: Korthikanti's figure is the only one
         activations = reference
         per_layer = act.layer(sh, s_, b_, t, sp, w.attention, d.activation)
