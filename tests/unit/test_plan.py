@@ -826,8 +826,9 @@ def test_published_rows_the_planner_expresses() -> None:
         assert within != ("miss" in row), row["name"]
         misses += "miss" in row
     # torchtitan's 405B 1F1B memory; the 13B row of fms-fsdp's superseded first table (one sequence per GPU);
-    # Megatron's three DeepSpeed ZeRO-3 rows (communication-bound there, hidden in paratrain's zero3)
-    assert misses == 5
+    # torchtitan's 8B at TP 8 (narrow per-rank matmuls, two rows); Megatron's three DeepSpeed ZeRO-3 rows
+    # (communication-bound there, hidden in paratrain's zero3)
+    assert misses == 7
 
 
 def test_fms_rows_at_their_published_hfu_give_their_published_throughput() -> None:
