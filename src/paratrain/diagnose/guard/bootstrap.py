@@ -23,6 +23,12 @@ import sys
 DEFAULT_HANG_TIMEOUT = 300.0
 DEFAULT_DESYNC_EVERY = 100
 
+_SCRIPT_GLOBALS: list[dict[str, object]] = []
+"""The finished script's globals, kept to interpreter finalization as ``python train.py`` keeps them: released
+when ``runpy`` returns, the script's DDP model and process group were destroyed on the main thread while a Gloo
+worker thread still needed the GIL to drop its last collective, and the rank hung there (1 run in about 10 of
+a DDP script under ``launch --guard``); at finalization the exit grace runs first (``install_exit_grace``)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m paratrain.diagnose.guard.bootstrap", allow_abbrev=False)
@@ -79,9 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     state = FAILED
     try:
         if is_module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            _SCRIPT_GLOBALS.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
         else:
-            runpy.run_path(target, run_name="__main__")
+            _SCRIPT_GLOBALS.append(runpy.run_path(target, run_name="__main__"))
         state = EXITED
     except SystemExit as e:
         state = EXITED if e.code in (None, 0) else FAILED
