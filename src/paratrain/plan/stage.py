@@ -359,9 +359,8 @@ def stage_peak(
         outputs = _stage_outputs(spec, st, layout, w, batch, d, inp)
     acc = _accumulation(psi, _reduced_grad_bytes(sharding, w, d), activations, batch, layout,
                         w.pp_schedule, st.index)  # fmt: skip
-    if _shards_accumulated(
-        sharding, layout, w
-    ):  # each micro-step reduce-scatters: a later one holds the shard
+    # with every micro-step reduced, a later micro-step holds the gradient shard, not the whole gradients
+    if acc[0] and _shards_accumulated(sharding, layout, w):
         acc = (0.0 if w.offload else states.grads, acc[1])
     units, root, kept = tuple(g.per_rank(t) for g in st.groups), st.root.per_rank(t), 0.0
     if spec.embedding_units and sharding == "full" and layout.pp == 1 and t == 1:
