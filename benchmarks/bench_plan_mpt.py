@@ -199,7 +199,7 @@ def run() -> dict[str, Any]:
     out = []
     for row in rows():
         pub = row["published"]
-        at_hfu, at_default = bench._plan(row["argv"], pub["hfu"]), bench._plan(row["argv"])
+        at_hfu, at_default = bench._plan(row["argv"], pub["hfu"], 0.0), bench._plan(row["argv"])
         assert at_hfu["micro_batch_size"] == pub["micro_batch"], row["name"]
         row["predicted"] = {
             "tokens_per_s_at_hfu": bench._tokens_per_gpu(at_hfu),

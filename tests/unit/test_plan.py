@@ -826,9 +826,8 @@ def test_published_rows_the_planner_expresses() -> None:
         assert within != ("miss" in row), row["name"]
         misses += "miss" in row
     # torchtitan's 405B 1F1B memory; the 13B row of fms-fsdp's superseded first table (one sequence per GPU);
-    # torchtitan's 8B at TP 8 (narrow per-rank matmuls, two rows); Megatron's three DeepSpeed ZeRO-3 rows
-    # (communication-bound there, hidden in paratrain's zero3)
-    assert misses == 7
+    # Megatron's three DeepSpeed ZeRO-3 rows (communication-bound there, hidden in paratrain's zero3)
+    assert misses == 5
 
 
 def test_fms_rows_at_their_published_hfu_give_their_published_throughput() -> None:
@@ -976,6 +975,66 @@ def test_fp8_linears_and_compile_are_time_choices() -> None:
     assert (t16 - t8) / t16 == pytest.approx(share * (1 - 989e12 / 1979e12), rel=1e-6)
     with pytest.raises(ConfigError, match="no fp8 tensor cores"):
         run_json(*base, "--fp8", "--cluster", "a100-nvlink-ib")
+
+
+def _narrow_mean(gemms: list[tuple[int, int, int, int]], knee: float) -> float:
+    """FLOP-weighted (w + knee) / w over (K, N, M, count) products, w the narrowest side."""
+    total = sum(k * n * m * c for k, n, m, c in gemms)
+    return sum(k * n * m * c * (min(k, n, m) + knee) / min(k, n, m) for k, n, m, c in gemms) / total
+
+
+def test_the_width_model_slows_narrow_matmuls_and_attention() -> None:
+    """With the calibrated efficiency the plan runs the width model (``--matmul-knee 800``): a Llama 3 8B layer's
+    seven matmuls are timed at their narrowest side per rank, written out here by hand (q and o 4,096 x 4,096,
+    k and v 4,096 x 1,024, w1 and w3 4,096 x 14,336, w2 14,336 x 4,096; tensor parallelism divides the sharded
+    side), so TP 8 is slower per FLOP than TP 1; ``--efficiency`` alone is the whole step's (no width model), as
+    it was; a negative knee is refused."""
+    from paratrain.plan.cli import model_spec
+    from paratrain.plan.time import ATTENTION_RELATIVE, compute_slowdown
+
+    spec = model_spec(cli("--model", "llama3-8b"))
+    tokens = 2 * 8192
+    for tp in (1, 8):
+        h, kv, f = 4096, 1024, 14336
+        layer = [(h, h // tp, tokens, 1), (h, kv // tp, tokens, 2), (h // tp, h, tokens, 1),
+                 (h, f // tp, tokens, 2), (f // tp, h, tokens, 1)]  # fmt: skip
+        slow = compute_slowdown(spec, tp, tokens, 800.0)
+        assert slow["linear"] == pytest.approx(_narrow_mean(layer, 800.0), rel=1e-12)
+        assert slow["attention"] == pytest.approx(1 / ATTENTION_RELATIVE)
+        assert slow["rest"] == pytest.approx((4096 + 800) / 4096)  # dim 4,096 x vocabulary 128,256 / tp
+    assert (
+        compute_slowdown(spec, 8, tokens, 800.0)["linear"]
+        > compute_slowdown(spec, 1, tokens, 800.0)["linear"]
+    )
+    assert compute_slowdown(spec, 8, tokens, 0.0) == {"linear": 1.0, "attention": 1.0, "rest": 1.0}
+
+    base = ("--model", "llama3-8b", "--strategy", "fsdp+tp", "--tp", "8", "--gpus", "64", "--batch-size", "16",
+            "--seq-len", "8192", "--activation-checkpointing", "selective", "--precision", "bf16")  # fmt: skip
+    e = cl.EFFICIENCY[("H100", "16-bit")]
+    default = run_json(*base)
+    assert default["cluster"]["matmul_knee"] == cl.MATMUL_KNEE and default["cluster"]["efficiency"] == e
+    explicit = run_json(*base, "--efficiency", str(e), "--matmul-knee", str(cl.MATMUL_KNEE))
+    assert explicit["plans"][0]["time_s"] == default["plans"][0]["time_s"]
+    whole = run_json(*base, "--efficiency", str(e))
+    assert whole["cluster"]["matmul_knee"] == 0 and "compute_efficiency" not in whole["plans"][0]["time_s"]
+    slowest = max(compute_slowdown(spec, 8, 2 * 8192, 800.0).values())
+    ratio = default["plans"][0]["time_s"]["compute"] / whole["plans"][0]["time_s"]["compute"]
+    assert 1 < ratio < slowest
+    assert default["plans"][0]["time_s"]["compute_efficiency"] == pytest.approx(e / ratio, rel=1e-9)
+    with pytest.raises(ConfigError, match="--matmul-knee must be 0"):
+        run_json(*base, "--matmul-knee", "-5")
+
+
+def test_the_width_model_constants_are_the_stored_fit() -> None:
+    """benchmarks/fit_matmul_knee.py's stored grid: the knee and attention factor the planner uses are its best
+    pair, and the pair makes the implied efficiencies of a group more alike than no width model does."""
+    from paratrain.plan.time import ATTENTION_RELATIVE
+
+    fit = json.loads((Path(__file__).parents[2] / "benchmarks/results/plan_knee_fit.json").read_text())
+    best = min(fit["grid"], key=lambda g: g["score"])
+    assert (best["knee"], best["attention_relative"]) == (cl.MATMUL_KNEE, ATTENTION_RELATIVE)
+    assert best["score"] < 0.8 * fit["without_width_model"]["score"]
+    assert len(fit["rows"]) > 100
 
 
 def test_zero2_packing_holds_the_units_ahead_and_the_flowing_gradients() -> None:

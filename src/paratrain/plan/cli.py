@@ -345,8 +345,13 @@ def cluster_from(
     elif not c.on_cpu:
         calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c),
                                            compiled=req.cfg.train.compile, fp8=args.fp8)  # fmt: skip
-        if calibrated is not None:
-            changes["efficiency"] = calibrated
+        if calibrated is not None:  # the calibrated efficiency is a wide matmul's: the width model with it
+            changes.update(efficiency=calibrated, matmul_knee=cl.MATMUL_KNEE)
+    if args.matmul_knee is not None:
+        if args.matmul_knee < 0:
+            raise ConfigError(f"--matmul-knee must be 0 (off: --efficiency is the whole step's) or a positive "
+                              f"matmul width, got {args.matmul_knee:g}.")  # fmt: skip
+        changes["matmul_knee"] = float(args.matmul_knee)
     out = replace(c, **changes) if changes else c
     if args.fp8 and not out.fp8_flops:
         raise ConfigError(f"--fp8: {out.name} has no fp8 tensor cores in its data sheet (fp8 peak unknown); "

@@ -61,7 +61,12 @@ class PlanConfig:
     inter_latency: str | None = option(None)
     """Inter-node latency, e.g. 10us."""
     efficiency: float | None = option(None)
-    """Fraction of peak FLOP/s achieved (default: calibrated per GPU and precision, docs/plan.md)."""
+    """Fraction of peak FLOP/s the step achieves (default: calibrated per GPU and precision, docs/plan.md: then
+    the fraction a wide matmul achieves, narrower ones slower; see --matmul-knee)."""
+    matmul_knee: float | None = option(None, metavar="WIDTH")
+    """Width model: a matmul whose narrowest side per rank is WIDTH runs at half the efficiency of a wide one,
+    and attention at 0.6 of it (default: 800 with the calibrated efficiency; 0, the efficiency is the whole
+    step's, with --efficiency or an uncalibrated GPU)."""
     recommend: bool = option(False)
     """Search and rank every valid layout."""
     sweep_gpus: str | None = option(None, metavar="RANGE")

@@ -36,8 +36,14 @@ def _title(result: dict[str, Any]) -> str:
     return (
         f"paratrain plan: {result['model']} ({result['num_params']:,} parameters) on {c['gpus']} GPUs "
         f"({nodes} node{'s' if nodes > 1 else ''} of {c['gpus_per_node']}; {c['name']}: {_gb(c['gpu_mem_bytes'])} GB, "
-        f"{c['gpu_flops'] / 1e12:,.4g} TFLOP/s x {c['efficiency']:g}); {result['precision']}, {result['optimizer']}"
+        f"{c['gpu_flops'] / 1e12:,.4g} TFLOP/s x {c['efficiency']:g}{_knee(c)}); {result['precision']}, "
+        f"{result['optimizer']}"
     )
+
+
+def _knee(c: dict[str, Any]) -> str:
+    knee = c.get("matmul_knee") or 0
+    return f" for wide matmuls, half at width {knee:g}, attention x 0.6" if knee else ""
 
 
 def format_plans(result: dict[str, Any]) -> str:

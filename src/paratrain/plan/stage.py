@@ -17,7 +17,9 @@ from paratrain.plan.comm import link_for, step_ops
 from paratrain.plan.layout import Layout
 from paratrain.plan.model import ModelSpec, ParamGroup
 from paratrain.plan.time import (
+    compute_slowdown,
     recompute_fraction,
+    stage_attention_flops_per_sample,
     stage_flops_per_sample,
     stage_linear_flops_per_sample,
     step_time,
@@ -412,15 +414,21 @@ def stage_time(
     redo = recompute_fraction(spec, mode, every)
     samples = batch.global_batch / layout.dp
     flops = stage_flops_per_sample(spec, batch.seq_len, layers, st.last, redo) * samples / t
-    seconds = flops / (cluster.gpu_flops * cluster.efficiency)
-    if w.fp8:  # the layers' linear matmuls at the fp8 peak, the rest at the 16-bit one
-        linear = stage_linear_flops_per_sample(spec, batch.seq_len, layers, redo) * samples / t
-        seconds -= linear / (cluster.gpu_flops * cluster.efficiency)
-        seconds += linear / (cluster.fp8_flops * cluster.efficiency)
+    linear = stage_linear_flops_per_sample(spec, batch.seq_len, layers, redo) * samples / t
+    attention = stage_attention_flops_per_sample(spec, batch.seq_len, layers, redo) * samples / t
+    slow = compute_slowdown(spec, t, batch.size * batch.seq_len, cluster.matmul_knee)
+    wide = cluster.gpu_flops * cluster.efficiency  # a wide 16-bit matmul's FLOP/s
+    # --fp8: the layers' linear matmuls at the fp8 peak, the rest at the 16-bit one
+    linear_peak = cluster.fp8_flops * cluster.efficiency if w.fp8 else wide
+    seconds = (linear * slow["linear"] / linear_peak + attention * slow["attention"] / wide
+               + (flops - linear - attention) * slow["rest"] / wide)  # fmt: skip
     time_ = step_time(seconds, redo, [(op, link_for(layout, op.axis, cluster)) for op in ops],
                       micro=batch.micro, accum=batch.accum, pp=layout.pp, schedule=w.pp_schedule)  # fmt: skip
     comm: dict[str, int] = {}
     for op in ops:
         comm[op.key] = comm.get(op.key, 0) + round(op.sent)
     comm["total"] = sum(comm.values())
-    return time_.total, {"comm_bytes_per_rank_per_step": comm, "time_s": time_.to_dict()}
+    timing = time_.to_dict()
+    if cluster.matmul_knee:  # the fraction of the 16-bit peak the compute achieves under the width model
+        timing["compute_efficiency"] = flops / (cluster.gpu_flops * seconds) if seconds else 0.0
+    return time_.total, {"comm_bytes_per_rank_per_step": comm, "time_s": timing}

@@ -93,6 +93,16 @@ def stage_flops_per_sample(
     return layers * per_layer * (1 + redo / 3) + (head if last else 0.0)
 
 
+def stage_attention_flops_per_sample(
+    spec: ModelSpec, seq_len: int, layers: int, recompute: float | bool
+) -> float:
+    """The part of :func:`stage_flops_per_sample` in attention's score and value products (12·h·s per token and
+    layer, and the recomputed forward); 0 for a model without a transformer shape."""
+    if spec.shape is None or not spec.layers:
+        return 0.0
+    return layers * seq_len * 12.0 * spec.shape.dim * seq_len * (1 + float(recompute) / 3)
+
+
 def stage_linear_flops_per_sample(
     spec: ModelSpec, seq_len: int, layers: int, recompute: float | bool
 ) -> float:
@@ -103,6 +113,65 @@ def stage_linear_flops_per_sample(
         return 0.0
     layer_params = (sum(g.total for g in spec.layers) - spec.inactive_params) / len(spec.layers)
     return layers * seq_len * 6.0 * layer_params * (1 + float(recompute) / 3)
+
+
+ATTENTION_RELATIVE = 0.6
+"""Attention's score and value products (flash attention) run at this fraction of a wide matmul's efficiency
+when the width model is on (:func:`compute_slowdown`): fitted with ``MATMUL_KNEE`` (docs/plan.md)."""
+SHAPELESS_WIDTH = 4096
+"""A model without a transformer shape (a traced module, a bare parameter count) is timed as matmuls this
+wide when the width model is on."""
+
+
+def _narrow(width: float, knee: float) -> float:
+    """1/g: how much slower than a wide matmul one whose narrowest side is ``width`` runs."""
+    return (width + knee) / width
+
+
+def linear_gemms(spec: ModelSpec, tp: int, tokens: float) -> list[tuple[float, float, float, float]]:
+    """A layer's linear matmuls on one rank, ``(K, N, M, count)``: input width, output width (the tensor-parallel
+    side ÷ tp), rows (the micro-batch's tokens) and how many such products; an MoE model's routed experts as one
+    grouped product over the tokens routed to them (``top_k`` per token), averaged over its dense and MoE layers."""
+    sh = spec.shape
+    assert sh is not None
+    h, kv, f, q, m = sh.dim, sh.kv_dim, sh.ffn_hidden, sh.n_heads * sh.head_dim, tokens
+    if sh.arch == "gpt":
+        attn = [(h, 3 * h / tp, m, 1.0), (h / tp, h, m, 1.0)]
+    else:
+        attn = [(h, q / tp, m, 1.0), (h, kv / tp, m, 2.0), (q / tp, h, m, 1.0)]
+    dense = [(h, f / tp, m, 1.0), (f / tp, h, m, 1.0)] + ([(h, f / tp, m, 1.0)] if sh.arch != "gpt" else [])
+    moe = spec.moe
+    if moe is None:
+        return attn + dense
+    share = moe.moe_layers / sh.n_layers
+    mh = moe.moe_hidden
+    experts = [(h, mh / tp, m * moe.top_k, 2.0 * share), (mh / tp, h, m * moe.top_k, share)]
+    shared = [
+        (h, mh / tp, m, 2.0 * share * moe.n_shared_experts),
+        (mh / tp, h, m, share * moe.n_shared_experts),
+    ]
+    return attn + [(k, n, r, c * (1 - share)) for k, n, r, c in dense] + experts + [g for g in shared if g[3]]
+
+
+def compute_slowdown(
+    spec: ModelSpec, tp: int, tokens: float, knee: float, vocab_split: int | None = None
+) -> dict[str, float]:
+    """The width model's slowdowns (≥ 1) of a stage's compute parts against a wide matmul at the cluster's
+    efficiency: ``linear`` (the layers' linear matmuls, their FLOP-weighted mean of ``(w + knee) / w`` where ``w`` is
+    a product's narrowest side on the rank), ``attention`` (1 / :data:`ATTENTION_RELATIVE`) and ``rest`` (the output
+    layer, ``dim`` × ``vocab / tp``; everything of a model without a shape). ``knee`` 0: all 1 (the efficiency is
+    the whole step's)."""
+    if knee <= 0:
+        return {"linear": 1.0, "attention": 1.0, "rest": 1.0}
+    if spec.shape is None:
+        slow = _narrow(SHAPELESS_WIDTH, knee)
+        return {"linear": slow, "attention": slow, "rest": slow}
+    gemms = linear_gemms(spec, tp, tokens)
+    flops = sum(k * n * r * c for k, n, r, c in gemms)
+    linear = sum(k * n * r * c * _narrow(min(k, n, r), knee) for k, n, r, c in gemms) / flops
+    sh = spec.shape
+    head = _narrow(min(sh.dim, sh.vocab_size / (vocab_split or tp), tokens), knee)
+    return {"linear": linear, "attention": 1 / ATTENTION_RELATIVE, "rest": head}
 
 
 @dataclass(frozen=True)

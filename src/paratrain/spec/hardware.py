@@ -67,6 +67,11 @@ class Cluster:
     fp8_flops: float = 0.0
     """Dense fp8 tensor-core FLOP/s of one GPU (0: none); ``paratrain plan --fp8`` runs the layers' linear
     matmuls at it. Follows ``--gpu``, not ``--gpu-flops``."""
+    matmul_knee: float = 0.0
+    """0: ``efficiency`` is the whole step's. Above 0: ``efficiency`` is that of a wide matmul, and a matmul whose
+    narrowest side (per rank: tokens of a micro-batch, input or output width) is ``w`` runs at ``w / (w + knee)``
+    of it; attention at :data:`ATTENTION_RELATIVE` of it (:func:`paratrain.plan.time.compute_slowdown`). The
+    calibrated GPU defaults use :data:`MATMUL_KNEE`."""
 
     def __post_init__(self) -> None:
         for f in ("gpus", "gpus_per_node"):
@@ -79,6 +84,10 @@ class Cluster:
         for f in ("intra_latency", "inter_latency"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"cluster: {f} must not be negative, got {getattr(self, f)!r}.")
+        if not self.matmul_knee >= 0:
+            raise ConfigError(
+                f"cluster: matmul_knee must be 0 (off) or a positive width, got {self.matmul_knee!r}."
+            )
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"cluster: efficiency must be in (0, 1], got {self.efficiency!r}.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -171,31 +180,40 @@ Longer names first, so that ``H100`` is not taken for ``H10``."""
 
 
 EFFICIENCY: dict[tuple[str, str], float] = {
-    ("H100", "16-bit"): 0.390,
-    ("H100", "16-bit compiled"): 0.466,
-    ("H100", "fp8 compiled"): 0.372,
-    ("H200", "16-bit"): 0.390,
-    ("H200", "16-bit compiled"): 0.466,
-    ("H200", "fp8 compiled"): 0.372,
-    ("A100", "16-bit"): 0.600,
-    ("A100", "16-bit compiled"): 0.715,
+    ("H100", "16-bit"): 0.488,
+    ("H100", "16-bit compiled"): 0.583,
+    ("H100", "fp8 compiled"): 0.509,
+    ("H200", "16-bit"): 0.488,
+    ("H200", "16-bit compiled"): 0.583,
+    ("H200", "fp8 compiled"): 0.509,
+    ("A100", "16-bit"): 0.754,
+    ("A100", "16-bit compiled"): 0.864,
 }
-"""Default fraction of the dense peak a training step achieves, per GPU family and compute (:func:`compute_key`:
-the precision, ``fp8`` for Float8 linears, `` compiled`` with ``--compile``): the geometric mean of the
-efficiencies implied by the published runs of ``benchmarks/bench_plan_published.py`` that are not held out
-(docs/plan.md, "Calibrated time"). H100 bf16 eager: torchtitan's Llama 3.1 8B FSDP rows on 8 and 128 GPUs
-(implied 0.376, 0.366; H100s at 500 W with HBM2e) and IBM fms-fsdp's Llama 2 7B (HSDP), 13B and 70B (FSDP) on 96
-H100s (0.349, 0.390, 0.479); H100 16-bit compiled: the same rows with torch.compile (0.435, 0.425; 0.447,
-0.498, 0.533); H100 fp8 compiled: every torchtitan row with torch.compile + Float8 (8B FSDP on 8 and 128 GPUs,
-70B FSDP x TP, 405B FSDP x TP x PP with 1F1B, interleaved 1F1B and 1F1B at 32k tokens: 0.336-0.419, the whole
-step's efficiency at the fp8 peak for the layers' linears and the 16-bit peak for the rest); H200 takes the
-H100's (same chip, no published row). A100 bf16 eager: fms-fsdp's 7B, 13B, 70B on 128 A100s (0.547, 0.586,
-0.702) and Megatron-LM's GPT-3 175B on 1,536 GPUs (Narayanan et al. 2021 Table 2, 141 TFLOP/s: 0.577, fused
-kernels, recomputation counted as the paper counts it); A100 16-bit compiled: fms-fsdp's 7B, 13B, 70B with
-torch.compile (0.672, 0.700, 0.778). The implied efficiencies follow the HFU fms-fsdp publishes for each row
-(PyTorch's FLOP counter) within 0.05, and grow with the model's width (larger matmuls), which one default per
-family averages over. Other GPUs, fp32, and fp8 without compile keep :attr:`Cluster.efficiency`'s 0.5.
-``--efficiency`` wins."""
+"""Default fraction of the dense peak a *wide* matmul achieves in a training step, per GPU family and compute
+(:func:`compute_key`: the precision, ``fp8`` for Float8 linears, `` compiled`` with ``--compile``); the plan
+applies it with the width model of :data:`MATMUL_KNEE` (narrower matmuls and attention slower). Each is the
+geometric mean of the wide-matmul efficiencies implied by the published runs of
+``benchmarks/bench_plan_published.py`` that are not held out (docs/plan.md, "Calibrated time"). H100 bf16 eager:
+torchtitan's Llama 3.1 8B FSDP rows on 8 and 128 GPUs (implied 0.496, 0.482; H100s at 500 W with HBM2e) and IBM
+fms-fsdp's Llama 2 7B (HSDP), 13B and 70B (FSDP) on 96 H100s (0.441, 0.474, 0.551); H100 16-bit compiled: the same
+rows with torch.compile (0.573, 0.560; 0.564, 0.605, 0.614); H100 fp8 compiled: every torchtitan row with
+torch.compile + Float8 (8B FSDP on 8 and 128 GPUs, 70B FSDP x TP, 405B FSDP x TP x PP with 1F1B, interleaved
+1F1B and 1F1B at 32k tokens: 0.435-0.590, the fp8 peak for the layers' linears and the 16-bit peak for the
+rest); H200 takes the H100's (same chip, no fitted row). A100 bf16 eager: fms-fsdp's 7B, 13B, 70B on 128 A100s
+(0.689, 0.712, 0.808) and Megatron-LM's GPT-3 175B on 1,536 GPUs (Narayanan et al. 2021 Table 2, 141 TFLOP/s:
+0.813, fused kernels, recomputation counted as the paper counts it); A100 16-bit compiled: fms-fsdp's 7B, 13B,
+70B with torch.compile (0.848, 0.850, 0.896). Other GPUs, fp32, and fp8 without compile keep
+:attr:`Cluster.efficiency`'s 0.5 as the whole step's (no width model). ``--efficiency`` wins (the whole step's,
+unless ``--matmul-knee`` is given too)."""
+
+
+MATMUL_KNEE = 800.0
+"""The width model of the calibrated defaults (:attr:`Cluster.matmul_knee`): a matmul whose narrowest side on the
+rank is 800 runs at half a wide matmul's efficiency, one 8,192 wide at 0.91 of it. Fitted with
+:data:`paratrain.plan.time.ATTENTION_RELATIVE` by ``benchmarks/fit_matmul_knee.py`` on the fitted rows of
+``bench_plan_published.py`` and MosaicML's 113 MPT rows (``bench_plan_mpt.py``): the pair with which the
+wide-matmul efficiencies the rows of one GPU family and compute imply are most alike (docs/plan.md, "Calibrated
+time")."""
 
 
 def compute_key(precision: str, compiled: bool = False, fp8: bool = False) -> str:
