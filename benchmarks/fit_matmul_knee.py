@@ -15,7 +15,7 @@ candidate with the smallest wins and is what :data:`paratrain.spec.hardware.MATM
 :data:`paratrain.plan.time.ATTENTION_RELATIVE` hold (``check_claims`` compares). Rows: the fitted rows of
 ``bench_plan_published.py`` (never its held-out ones) and all 113 of ``bench_plan_mpt.py``.
 
-    python benchmarks/fit_matmul_knee.py [--json benchmarks/results/plan_knee_fit.json]
+    python benchmarks/fit_matmul_knee.py [--json benchmarks/results/plan_knee_fit.json] [--plot FILE.png]
 
 Pure computation; a few minutes on one core.
 """
@@ -78,9 +78,52 @@ def score(effs: dict[str, list[float]]) -> float:
     return math.sqrt(sq / n)
 
 
+def _dim(argv: list[str]) -> int:
+    """The hidden size of a row's model (its preset, reshaped by ``--set model.dim=``)."""
+    from paratrain.plan.cli import add_arguments, model_spec
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shape = model_spec(parser.parse_args(argv)).shape
+    assert shape is not None
+    return shape.dim
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Each row's implied efficiency over its group's geometric mean against the model's width per rank (dim /
+    tp), without the width model and at the best pair: the trend the model takes out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = result["best"]
+    panels = [("one efficiency per GPU and compute", next(g for g in result["grid"] if g["knee"] == 0)),
+              (f"width model: knee {b['knee']:g}, attention x {b['attention_relative']:g}",
+               next(g for g in result["grid"] if (g["knee"], g["attention_relative"]) == (b["knee"], b["attention_relative"])))]  # fmt: skip
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    groups = sorted({r["group"] for r in result["rows"]})
+    for ax, (title, g) in zip(axes, panels, strict=True):
+        for group in groups:
+            idx = [i for i, r in enumerate(result["rows"]) if r["group"] == group]
+            xs = [result["rows"][i]["dim_per_rank"] for i in idx]
+            ys = [g["implied"][i] / g["groups"][group]["geomean"] for i in idx]
+            ax.scatter(xs, ys, s=14, label=group, alpha=0.75)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(
+            xscale="log", xlabel="model width per rank (dim / tp)", title=f"{title}\nlog-std {g['score']:.3f}"
+        )
+    axes[0].set_ylabel("implied efficiency / group's geometric mean")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(groups))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+
+
 def run() -> dict[str, Any]:
     plan = _module("bench_plan_published")._plan
     table = rows()
+    widths = [_dim(r["argv"]) / plan(r["argv"], BASE, 0.0)["layout"]["tp"] for r in table]
     grid = []
     kept = plan_time.ATTENTION_RELATIVE
     try:
@@ -88,11 +131,12 @@ def run() -> dict[str, Any]:
             for attention in ATTENTION if knee else (1.0,):
                 plan_time.ATTENTION_RELATIVE = attention
                 effs: dict[str, list[float]] = {}
+                per_row = []
                 for r in table:
-                    effs.setdefault(r["group"], []).append(
-                        implied(plan(r["argv"], BASE, knee), r["published"])
-                    )
-                grid.append({"knee": knee, "attention_relative": attention, "score": score(effs),
+                    p = plan(r["argv"], BASE, knee)
+                    per_row.append(implied(p, r["published"]))
+                    effs.setdefault(r["group"], []).append(per_row[-1])
+                grid.append({"knee": knee, "attention_relative": attention, "score": score(effs), "implied": per_row,
                              "groups": {g: {"geomean": math.exp(statistics.fmean(math.log(e) for e in v)),
                                             "log_std": statistics.pstdev(math.log(e) for e in v),
                                             "min": min(v), "max": max(v), "rows": len(v)}
@@ -110,7 +154,10 @@ def run() -> dict[str, Any]:
             "load_avg_start": os.getloadavg(),
             "note": "pure computation; load does not change the figures",
         },
-        "rows": [{"name": r["name"], "group": r["group"]} for r in table],
+        "rows": [
+            {"name": r["name"], "group": r["group"], "dim_per_rank": w}
+            for r, w in zip(table, widths, strict=True)
+        ],
         "grid": grid,
         "best": {
             "knee": best["knee"],
@@ -125,10 +172,15 @@ def run() -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/results/plan_knee_fit.json")
+    ap.add_argument(
+        "--plot", metavar="PNG", help="implied efficiency against width, without and with the model"
+    )
     args = ap.parse_args()
     result = run()
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
     b, off = result["best"], result["without_width_model"]
     print(f"{len(result['rows'])} rows; within-group spread of log(implied efficiency): {off['score']:.3f} without the "
           f"width model, {b['score']:.3f} at knee {b['knee']:g}, attention x {b['attention_relative']:g}")  # fmt: skip
