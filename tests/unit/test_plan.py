@@ -983,6 +983,32 @@ def _narrow_mean(gemms: list[tuple[int, int, int, int]], knee: float) -> float:
     return sum(k * n * m * c * (min(k, n, m) + knee) / min(k, n, m) for k, n, m, c in gemms) / total
 
 
+def test_zero2_packing_counts_only_the_buckets_reduced_before_the_unit() -> None:
+    """ZeRO-2 packs unit u's gradients after the root's and the later units' (backward runs last to first); only
+    the buckets completed before them are reduced shards. The first unit of backward with its activations all
+    live holds no shard when the root's gradients fit the bucket in flight (bench_plan: llama-moe-small zero2
+    was planned 1.09 of its measured peak with every other bucket's shard counted there); a unit late in
+    backward holds the shards of all units after it."""
+    from paratrain.plan import peak as pk
+
+    units, root, n, g = (1000.0, 1000.0, 1000.0), 100.0, 2, 4
+    psi = sum(units) + root
+    bucket = 1500 * g  # a bucket holds one and a half units
+
+    def packing(activations: tuple[float, ...]) -> Any:
+        s = _step(states=mem.model_states(psi, n, "grads", mem.dtypes("fp32")), psi=psi, sharding="grads", n=n,
+                  dp=n, units=units, root=root, unit_activations=activations, bucket_bytes=bucket,
+                  largest_tensor=500 / n)  # fmt: skip
+        return next(m for m in pk.moments(s) if m.phase.startswith("zero2 packs"))
+
+    first = packing((1e6, 1e6, 1e6))  # activations dominate: the first unit of backward (unit 2)
+    assert first.phase.endswith("(unit 2)") and first.terms["reduced shard"] == 0.0
+    assert first.terms["activations"] == 3e6
+    late = packing((1.0, 1.0, 1.0))  # shards dominate: unit 0, after the root's and units 1-2's gradients
+    assert late.phase.endswith("(unit 0)")
+    assert late.terms["reduced shard"] == ((root + 2000) * g - bucket) / n
+
+
 def test_the_width_model_slows_narrow_matmuls_and_attention() -> None:
     """With the calibrated efficiency the plan runs the width model (``--matmul-knee 800``): a Llama 3 8B layer's
     seven matmuls are timed at their narrowest side per rank, written out here by hand (q and o 4,096 x 4,096,

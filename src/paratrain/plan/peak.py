@@ -238,22 +238,31 @@ def _zero2_packing(s: StepShape, base: dict[str, float], send: float) -> Peak:
     weights' hooks fire before the autograd engine has let go of everything the unit saved), and the gradient
     arriving at u and the one it passes on. Measured (bench_plan, the 26K MLP whose gradients fit one bucket,
     2 Gloo ranks): at the peak MemTracker holds 52.7 KB of activations and 33 KB of temporaries beside the send
-    buffer and the 64 KB gradient being packed. Without units: the largest gradient, no activations."""
+    buffer and the 64 KB gradient being packed. The shard reduced by then is what the buckets completed before
+    unit u hold: the gradients of the root (the output layer's come first in backward) and of the units after u,
+    less the bucket in flight (the MoE rows of bench_plan: 1.06-1.09 when every other bucket's shard was counted
+    at every unit). Without units: the largest gradient, no activations, every other bucket reduced."""
     g, n = s.d.grad, s.n
     largest = s.largest_tensor * n * g
     reduced = max(0.0, s.psi * g / n - send / n)
     fixed = {**base, "send buffers": send, "reduced shard": reduced}
     if not (s.units and s.unit_activations and len(s.units) == len(s.unit_activations)):
         return Peak("zero2 packs a gradient during backward", {**fixed, "gradient being packed": largest})
+
+    def shards(u: int) -> float:
+        """The buckets reduced before unit u's hooks: the root's and the later units' gradients."""
+        produced = (s.root + sum(s.units[u + 1 :])) * g
+        return max(0.0, produced - send) / n
+
     before, best, best_u = 0.0, -1.0, 0
     for u, a in enumerate(s.unit_activations):
-        total = min(largest, s.units[u] * g) + s.before_units + before + a
+        total = min(largest, s.units[u] * g) + s.before_units + before + a + shards(u)
         if total > best:
             best, best_u = total, u
         before += a
     u = best_u
     return Peak(f"zero2 packs a gradient during backward (unit {u})", {
-        **fixed, "gradient being packed": min(largest, s.units[u] * g),
+        **fixed, "reduced shard": shards(u), "gradient being packed": min(largest, s.units[u] * g),
         "activations": s.before_units + sum(s.unit_activations[: u + 1]),
         "output and input gradients": 2 * s.unit_input_grad})  # fmt: skip
 
