@@ -1049,6 +1049,12 @@ def test_the_width_model_slows_narrow_matmuls_and_attention() -> None:
     assert default["plans"][0]["time_s"]["compute_efficiency"] == pytest.approx(e / ratio, rel=1e-9)
     with pytest.raises(ConfigError, match="--matmul-knee must be 0"):
         run_json(*base, "--matmul-knee", "-5")
+    # --gpu picks the calibration of the GPU it names, not of the preset it swaps into (the name of the cluster
+    # becomes "h100-nvlink-ib with a100-80gb"); a GPU without published rows keeps 0.5 for the whole step
+    a100 = run_json(*base, "--gpu", "a100-80gb")["cluster"]
+    assert (a100["efficiency"], a100["matmul_knee"]) == (cl.EFFICIENCY[("A100", "16-bit")], cl.MATMUL_KNEE)
+    b200 = run_json(*base, "--gpu", "b200")["cluster"]
+    assert (b200["efficiency"], b200["matmul_knee"]) == (0.5, 0.0)
 
 
 def test_the_width_model_constants_are_the_stored_fit() -> None:

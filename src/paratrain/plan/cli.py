@@ -343,8 +343,10 @@ def cluster_from(
     if args.efficiency is not None:
         changes["efficiency"] = args.efficiency
     elif not c.on_cpu:
-        calibrated = cl.default_efficiency(changes.get("name", c.name), _precision(args, req, c),
-                                           compiled=req.cfg.train.compile, fp8=args.fp8)  # fmt: skip
+        # the GPU --gpu names, not the preset's name it is appended to ("h100-nvlink-ib with a100-80gb")
+        device = cl.gpu(args.gpu).name if args.gpu is not None else c.name
+        calibrated = cl.default_efficiency(device, _precision(args, req, c), compiled=req.cfg.train.compile,
+                                           fp8=args.fp8)  # fmt: skip
         if calibrated is not None:  # the calibrated efficiency is a wide matmul's: the width model with it
             changes.update(efficiency=calibrated, matmul_knee=cl.MATMUL_KNEE)
     if args.matmul_knee is not None:
