@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paratrain.plan.time import ATTENTION_RELATIVE
 from paratrain.tables import Col, table
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -43,7 +44,7 @@ def _title(result: dict[str, Any]) -> str:
 
 def _knee(c: dict[str, Any]) -> str:
     knee = c.get("matmul_knee") or 0
-    return f" for wide matmuls, half at width {knee:g}, attention x 0.6" if knee else ""
+    return f" for wide matmuls, half at width {knee:g}, attention x {ATTENTION_RELATIVE:g}" if knee else ""
 
 
 def format_plans(result: dict[str, Any]) -> str:

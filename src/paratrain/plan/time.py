@@ -153,9 +153,7 @@ def linear_gemms(spec: ModelSpec, tp: int, tokens: float) -> list[tuple[float, f
     return attn + [(k, n, r, c * (1 - share)) for k, n, r, c in dense] + experts + [g for g in shared if g[3]]
 
 
-def compute_slowdown(
-    spec: ModelSpec, tp: int, tokens: float, knee: float, vocab_split: int | None = None
-) -> dict[str, float]:
+def compute_slowdown(spec: ModelSpec, tp: int, tokens: float, knee: float) -> dict[str, float]:
     """The width model's slowdowns (≥ 1) of a stage's compute parts against a wide matmul at the cluster's
     efficiency: ``linear`` (the layers' linear matmuls, their FLOP-weighted mean of ``(w + knee) / w`` where ``w`` is
     a product's narrowest side on the rank), ``attention`` (1 / :data:`ATTENTION_RELATIVE`) and ``rest`` (the output
@@ -170,7 +168,7 @@ def compute_slowdown(
     flops = sum(k * n * r * c for k, n, r, c in gemms)
     linear = sum(k * n * r * c * _narrow(min(k, n, r), knee) for k, n, r, c in gemms) / flops
     sh = spec.shape
-    head = _narrow(min(sh.dim, sh.vocab_size / (vocab_split or tp), tokens), knee)
+    head = _narrow(min(sh.dim, sh.vocab_size / tp, tokens), knee)
     return {"linear": linear, "attention": 1 / ATTENTION_RELATIVE, "rest": head}
 
 

@@ -70,7 +70,7 @@ class Cluster:
     matmul_knee: float = 0.0
     """0: ``efficiency`` is the whole step's. Above 0: ``efficiency`` is that of a wide matmul, and a matmul whose
     narrowest side (per rank: tokens of a micro-batch, input or output width) is ``w`` runs at ``w / (w + knee)``
-    of it; attention at :data:`ATTENTION_RELATIVE` of it (:func:`paratrain.plan.time.compute_slowdown`). The
+    of it; attention at :data:`paratrain.plan.time.ATTENTION_RELATIVE` of it (``compute_slowdown`` there). The
     calibrated GPU defaults use :data:`MATMUL_KNEE`."""
 
     def __post_init__(self) -> None:
