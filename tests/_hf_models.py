@@ -19,8 +19,8 @@ TEXT = (
 
 
 def config_for(arch: str, **over: Any) -> Any:
-    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt, gemma; the mixtures of
-    experts mixtral, qwen2_moe, qwen3_moe); dropout off."""
+    """A 2-layer, width-32 config of ``arch`` (llama, qwen2, qwen3, mistral, gpt2, opt, gemma, gemma2, gpt_neox;
+    the mixtures of experts mixtral, qwen2_moe, qwen3_moe); dropout off."""
     import transformers as tf
 
     common = {"vocab_size": VOCAB, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
@@ -35,6 +35,18 @@ def config_for(arch: str, **over: Any) -> Any:
               **common}  # fmt: skip
         kw.update(over)
         return tf.GemmaConfig(**kw)
+    if arch == "gemma2":  # no SDPA path in transformers: eager attention, soft-capped scores, 4 norms a layer
+        kw = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128, "sliding_window": 16,
+              "pad_token_id": 0, **common}  # fmt: skip
+        kw.update(over)
+        return tf.Gemma2Config(**kw)
+    if arch == "gpt_neox":  # an ungated MLP, LayerNorms with biases, partial rotary, parallel residual
+        kw = {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "max_position_embeddings": 128, "rotary_pct": 0.25, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+              **common}  # fmt: skip
+        kw.update(over)
+        return tf.GPTNeoXConfig(**kw)
     if arch == "gpt2":
         kw = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128, "resid_pdrop": 0.0,
               "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}  # fmt: skip
@@ -100,12 +112,28 @@ def make_hf_dir(path: Path, arch: str = "llama", seed: int = 0, shard: str = "20
     return path
 
 
-def reference_logits(path: Path, ids: Any) -> Any:
-    """``AutoModelForCausalLM.from_pretrained(path)``'s logits for ``ids`` (fp32)."""
+def load_reference(path: Path) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 with SDPA, or with eager attention for an
+    architecture transformers builds without SDPA (Gemma 2)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    for attention in ("sdpa", "eager"):
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch.float32, attn_implementation=attention
+            )
+        except ValueError:
+            if attention == "eager":
+                raise
+    raise AssertionError("unreachable")
+
+
+def reference_logits(path: Path, ids: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path)``'s logits for ``ids`` (fp32)."""
+    import torch
+
+    m = load_reference(path)
     m.eval()
     with torch.no_grad():
         return m(input_ids=ids).logits

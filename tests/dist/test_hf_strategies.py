@@ -51,9 +51,9 @@ def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def reference(d: Path, steps: int = STEPS) -> dict[str, Any]:
     """Plain transformers + AdamW, one process, the global batch per step (cycling through the STEPS
     global batches of :func:`_tokens` beyond STEPS)."""
-    from transformers import AutoModelForCausalLM
+    from tests._hf_models import load_reference
 
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="sdpa")
+    model = load_reference(d)
     x, y = _tokens(model.config.vocab_size)
     model.eval()
     with torch.no_grad():
@@ -258,8 +258,8 @@ def test_hf_strategies_match_transformers_at_2_ranks(
     dist_run: Any, hf_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     """The default tier: ddp, zero3 (Llama and GPT-2), tp (Llama; GPT-2's fused q/k/v; Qwen3's per-head
-    norms under fsdp+tp), pp on Llama and on a tied GPT-2, and Mixtral under zero3 and Qwen3-MoE under ddp
-    read from their per-expert files, one spawn."""
+    norms under fsdp+tp), pp on Llama and on a tied GPT-2, Mixtral under zero3 and Qwen3-MoE under ddp read
+    from their per-expert files, Gemma 2 under zero3 and GPT-NeoX under zero2, one spawn."""
     llama, gpt2 = str(hf_dirs["llama"]), str(hf_dirs["gpt2"])
     cases = [
         (llama, "ddp", {}),
@@ -275,6 +275,10 @@ def test_hf_strategies_match_transformers_at_2_ranks(
         # matrices, which transformers stacks into one gate_up_proj and one down_proj per layer on load)
         (str(hf_dirs["mixtral"]), "zero3", {}),
         (str(hf_dirs["qwen3_moe"]), "ddp", {}),
+        # architectures without a tensor-parallel plan: Gemma 2 (eager attention: no SDPA path in
+        # transformers) and GPT-NeoX (an ungated MLP, a parallel residual)
+        (str(hf_dirs["gemma2"]), "zero3", {}),
+        (str(hf_dirs["gpt_neox"]), "zero2", {}),
     ]
     # and a checkpoint: GPT-2 under fsdp+tp (tp 2; c_attn whole per rank) trains 2 steps and saves, one process
     # loads it and trains 2 more: the 4-step reference's losses and parameters

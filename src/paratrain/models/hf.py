@@ -203,6 +203,18 @@ def load_config(d: Path) -> Any:
     return config
 
 
+def attention_implementation(config: Any) -> str:
+    """``"sdpa"`` (PyTorch's fused attention), or ``"eager"`` for an architecture ``transformers`` builds
+    without it (Gemma 2's soft-capped attention scores, among others)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return "sdpa"  # transformers' own error names the problem when it builds the model
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def build_hf_model(d: Path, vocab_needed: int | None = None) -> nn.Module:
     """The model of ``d``: parameters on the meta device when ``d`` has weights (loaded after the strategy
     split it), else randomly initialised on the CPU from the current seed. Carries its spec."""
@@ -220,7 +232,8 @@ def build_hf_model(d: Path, vocab_needed: int | None = None) -> nn.Module:
     ctx = torch.device("meta") if has_weights and not meta_context else contextlib.nullcontext()
     with ctx:
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config),
+                                                     dtype=torch.float32)  # fmt: skip
         except ValueError as e:
             raise ConfigError(f"--model hf:{d}: transformers cannot build it as a causal LM ({e}).") from None
     if has_weights and not meta_context:

@@ -96,10 +96,19 @@ def weight_transforms(model: nn.Module) -> tuple[list[Any], list[Any]]:
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:
         return [], []
+    from paratrain.models.hf_arch import HF_CLASS_ATTR
+
     root = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if root is None:
         return [], []
-    transforms = get_model_conversion_mapping(root)
+    # transformers looks the mapping up by class name first (GPT-NeoX's embed_out -> lm_head is its
+    # GPTNeoXForCausalLM's) and skips classes defined outside it: ask as the class transformers built
+    built, original = type(root), getattr(root, HF_CLASS_ATTR, type(root))
+    root.__class__ = original
+    try:
+        transforms = get_model_conversion_mapping(root)
+    finally:
+        root.__class__ = built
     return (
         [t for t in transforms if isinstance(t, WeightRenaming)],
         [t for t in transforms if isinstance(t, WeightConverter)],
