@@ -73,7 +73,28 @@ HF_MOE = {  # Hugging Face mixtures of experts, random weights (a config.json on
                   "num_experts_per_tok": 4, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 8192,
                   "max_position_embeddings": 1024, "tie_word_embeddings": False},
 }  # fmt: skip
-for _name in HF_MOE:
+HF_ARCHS = {  # other transformers architectures, planned from a meta build (plan/hf_config.meta_spec)
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 512,
+               "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+               "num_hidden_layers": 4, "vocab_size": 8192, "max_position_embeddings": 1024, "sliding_window": 64,
+               "tie_word_embeddings": True},
+    "gpt-neox": {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 512,
+                 "intermediate_size": 2048, "num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 8192,
+                 "max_position_embeddings": 1024, "rotary_pct": 0.25, "tie_word_embeddings": False},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 512, "intermediate_size": 1536,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 4, "vocab_size": 8192,
+             "max_position_embeddings": 1024, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
+             "eos_token_id": 2},
+    "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 512,
+                    "intermediate_size": 1536, "moe_intermediate_size": 256, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128,
+                    "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                    "num_hidden_layers": 4, "vocab_size": 8192, "max_position_embeddings": 1024,
+                    "tie_word_embeddings": False},
+}  # fmt: skip
+HF_CONFIGS = {**HF_MOE, **HF_ARCHS}
+for _name in HF_CONFIGS:
     _hf = ["--model", f"hf:{{hf}}/{_name}", "--seq-len", "128", "--batch-size", "8"]
     MODELS[f"hf-{_name}"] = {"train": [*_hf, "--data", "python-stdlib", "--set", "data.max_bytes=2000000"],
                              "plan": _hf}  # fmt: skip
@@ -87,15 +108,16 @@ ACCUM_STRATEGIES = ("zero3-accum", "zero3-accum-sharded")
 """Gradient accumulation under zero3, unsharded and with --shard-accumulated-grads (--strategies zero3-accum
 zero3-accum-sharded, stored as plan_vs_measured_accum.json); not in a run without --strategies."""
 """What a run without --models measures (the MoE rows: --models llama-moe-small hf-mixtral hf-qwen3-moe
---strategies ddp zero2 zero3, stored as plan_vs_measured_moe.json)."""
+--strategies ddp zero2 zero3, stored as plan_vs_measured_moe.json; the other architectures: --models hf-gemma2
+hf-gpt-neox hf-phi3 hf-deepseek-v3 --strategies ddp zero2 zero3, stored as plan_vs_measured_hf_archs.json)."""
 _HF_DIR: list[Path] = []
 
 
 def _argv(flags: list[str]) -> list[str]:
-    """``flags`` with ``{hf}`` replaced by a directory holding the HF_MOE configs (written on first use)."""
+    """``flags`` with ``{hf}`` replaced by a directory holding the HF_CONFIGS (written on first use)."""
     if any("{hf}" in f for f in flags) and not _HF_DIR:
         _HF_DIR.append(Path(tempfile.mkdtemp(prefix="bench_plan_hf_")))
-        for name, cfg in HF_MOE.items():
+        for name, cfg in HF_CONFIGS.items():
             (_HF_DIR[0] / name).mkdir()
             (_HF_DIR[0] / name / "config.json").write_text(json.dumps(cfg))
     return [f.replace("{hf}", str(_HF_DIR[0])) if _HF_DIR else f for f in flags]

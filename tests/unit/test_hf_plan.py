@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,7 +73,7 @@ def test_a_405b_config_plans_without_torch(tmp_path: Path) -> None:
 
 def test_unsupported_or_missing_configs_are_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ConfigError, match="model_type 't5' is not one the planner models"):
+    with pytest.raises(ConfigError, match="model_type 't5' is not one the planner reads from the JSON alone"):
         shape_from_hf_config(tmp_path / "config.json")
     with pytest.raises(ConfigError, match="does not exist"):
         hf_config_path(f"hf:{tmp_path / 'nope'}")
@@ -116,8 +117,14 @@ def test_zero3_plans_the_embedding_and_head_as_units_of_their_own(tmp_path: Path
     # the launch guard plans the same model (it had only the parameter count of an hf model: states only)
     cfg = RunConfig().override([f"model.name=hf:{tmp_path}"])
     assert run_spec(cfg, None, (64,)) == spec
-    if tied:  # a model type the planner has no shape for: the guard plans its parameter count, as before
-        (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt"}))
+    if tied:  # another architecture: the guard plans transformers' meta build of it, with its shape
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt", "hidden_size": 64, "ffn_dim": 128,
+                                                          "word_embed_proj_dim": 64, "num_hidden_layers": 2,
+                                                          "num_attention_heads": 4, "vocab_size": 256}))  # fmt: skip
+        opt = run_spec(cfg, torch.nn.Linear(3, 2), (64,))
+        assert opt.shape is not None and opt.arch == "OPTForCausalLM" and len(opt.layers) == 2
+        # a model type transformers does not know: its parameter count, as before
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model_xyz"}))
         assert run_spec(cfg, torch.nn.Linear(3, 2), (64,)).num_params == 8
 
 
@@ -206,3 +213,161 @@ def test_published_moe_configs_plan_data_parallel_layouts_only(tmp_path: Path) -
                              (["--strategy", "fsdp+ep", "--ep", "8"], "expert parallelism")):  # fmt: skip
             with pytest.raises(ConfigError, match=words):
                 build(parser.parse_args([*common, *flags]))
+
+
+# Other architectures: transformers builds them on the meta device and the planner reads the parts by place.
+# Tiny configs; each names its decoder layers' path in the built model (the test's own way to find them).
+OTHER_ARCHS = {
+    "gemma2": ({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "num_hidden_layers": 3, "vocab_size": 256}, "model.layers", True),
+    "gpt_neox": ({"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3,
+                  "vocab_size": 256, "tie_word_embeddings": False}, "gpt_neox.layers", False),
+    "phi3": ({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "num_hidden_layers": 3, "vocab_size": 256, "pad_token_id": 0}, "model.layers", True),
+    "starcoder2": ({"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "num_hidden_layers": 3, "vocab_size": 256}, "model.layers", False),
+    "olmo2": ({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 3,
+               "vocab_size": 256, "pad_token_id": 0}, "model.layers", True),
+    "opt": ({"hidden_size": 64, "ffn_dim": 256, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 256,
+             "word_embed_proj_dim": 64, "max_position_embeddings": 128}, "model.decoder.layers", False),
+}  # fmt: skip
+
+
+def _meta_model(d: Path) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(d)))
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_ARCHS))
+def test_other_architectures_are_planned_from_a_meta_build(tmp_path: Path, kind: str) -> None:
+    """Gemma 2, GPT-NeoX, Phi-3, StarCoder2, OLMo 2 and OPT: every parameter transformers builds is counted once,
+    each decoder layer is a unit of exactly its own parameters, the embedding goes first and the head last, the
+    shape is the config's, gated or not as the MLP is; tensor parallelism is refused, as train refuses it."""
+    import argparse
+
+    from transformers import AutoConfig
+
+    from paratrain.plan.cli import add_arguments, build
+    from paratrain.plan.hf_config import spec_from_hf_config
+
+    over, path, gated = OTHER_ARCHS[kind]
+    AutoConfig.for_model(kind, **over).save_pretrained(str(tmp_path))
+    spec = spec_from_hf_config(tmp_path / "config.json", f"hf:{tmp_path}")
+    model = _meta_model(tmp_path)
+    layers: Any = model
+    for part in path.split("."):
+        layers = getattr(layers, part)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert [g.total for g in spec.layers] == [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    embedding = model.get_input_embeddings().weight.numel()
+    assert spec.first.total >= embedding
+    head = model.get_output_embeddings().weight
+    tied = head is model.get_input_embeddings().weight
+    assert spec.last.total >= (0 if tied else head.numel())
+    assert spec.first.total + sum(g.total for g in spec.layers) + spec.last.total == spec.num_params
+    sh = spec.shape
+    assert sh is not None and (sh.dim, sh.n_layers, sh.vocab_size) == (64, 3, 256)
+    assert sh.n_heads == 4 and sh.gated_mlp is gated and sh.tied_embeddings is tied
+    assert spec.embedding_units is not tied and spec.arch == type(model).__name__
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    common = ["--model", f"hf:{tmp_path}", "--gpus", "8", "--seq-len", "128", "--batch-size", "8"]
+    zero3 = build(parser.parse_args([*common, "--strategy", "zero3"]))["plans"][0]
+    assert zero3["bytes_per_rank"]["activations"] > 0
+    assert zero3["model_state_bytes_per_rank"] == pytest.approx(16 * spec.num_params / 8, rel=1e-6)
+    with pytest.raises(ConfigError, match=f"not supported for {type(model).__name__}"):
+        build(parser.parse_args([*common, "--strategy", "fsdp+tp", "--tp", "2"]))
+
+
+def test_gemma2_plans_its_soft_capping_norms_and_eager_attention(tmp_path: Path) -> None:
+    """Gemma 2 runs eager attention (transformers has no SDPA path for it): the plan says so and keeps the
+    scores; its four norms, soft-capped scores and soft-capped logits each add what they keep."""
+    import argparse
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from paratrain.plan.cli import add_arguments, build
+    from paratrain.plan.hf_config import spec_from_hf_config
+    from paratrain.plan.implementation import last_extra, layer, loss_grad
+
+    over = OTHER_ARCHS["gemma2"][0]
+    AutoConfig.for_model("gemma2", **over).save_pretrained(str(tmp_path))
+    spec = spec_from_hf_config(tmp_path / "config.json", f"hf:{tmp_path}")
+    sh = spec.shape
+    assert sh is not None and spec.attention == "eager"
+    assert (sh.norms, sh.attention_softcap, sh.logit_softcap) == (4, True, True)
+    s, b, h, a, v = 128, 2, 64, 4, 256
+    plain = replace(sh, norms=2, attention_softcap=False, logit_softcap=False)
+    assert (
+        layer(sh, s, b, attention="eager") - layer(plain, s, b, attention="eager")
+        == 2 * (2 * s * b * h + s * b) * 4 + a * s * s * b * 4
+    )
+    assert (
+        layer(sh, s, b, attention="sdpa") - layer(plain, s, b, attention="sdpa")
+        == 2 * (2 * s * b * h + s * b) * 4
+    )
+    assert last_extra(sh, s, b) - last_extra(plain, s, b) == s * b * v * 4
+    assert loss_grad(sh, s, b) == loss_grad(plain, s, b)  # the capping's backward frees as it goes
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = build(parser.parse_args(["--model", f"hf:{tmp_path}", "--gpus", "2", "--seq-len", "128", "--batch-size",
+                                   "4", "--strategy", "ddp"]))  # fmt: skip
+    assert any("attention eager" in n for n in out["notes"])
+
+
+def test_mixtures_of_experts_of_other_architectures_are_found_in_the_meta_build(tmp_path: Path) -> None:
+    """DeepSeek-V3 (its first layer dense, a shared expert, multi-head latent attention) and OLMoE: the routed
+    experts, top-k and shared experts come from the config and the built experts; the parameters a token does
+    not run through are the other experts'."""
+    from transformers import AutoConfig
+
+    from paratrain.plan.hf_config import spec_from_hf_config
+
+    ds = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "num_hidden_layers": 3,
+        "vocab_size": 256,
+    }
+    olmoe = {"hidden_size": 64, "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+             "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256, "pad_token_id": 0}  # fmt: skip
+    for kind, over, moe_layers, shared in (("deepseek_v3", ds, 2, 1.0), ("olmoe", olmoe, 2, 0.0)):
+        d = tmp_path / kind
+        AutoConfig.for_model(kind, **over).save_pretrained(str(d))
+        spec = spec_from_hf_config(d / "config.json", f"hf:{d}")
+        model = _meta_model(d)
+        moe = spec.moe
+        assert moe is not None and (moe.n_experts, moe.top_k, moe.moe_layers) == (8, 2, moe_layers)
+        assert moe.moe_hidden == 32 and moe.n_shared_experts == pytest.approx(shared)
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert spec.inactive_params == routed * (8 - 2) // 8
+        assert spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_unknown_and_non_causal_model_types_are_refused(tmp_path: Path) -> None:
+    from paratrain.plan.hf_config import spec_from_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model_xyz", "hidden_size": 8}))
+    with pytest.raises(ConfigError, match="not one transformers .* knows"):
+        spec_from_hf_config(tmp_path / "config.json", "x")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match="could not build a causal LM"):
+        spec_from_hf_config(tmp_path / "config.json", "x")

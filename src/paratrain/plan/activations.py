@@ -90,7 +90,8 @@ def llama_layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool 
     """Bytes per Llama layer (see the module docstring)."""
     h, w = shape.dim, act_bytes / 2
     replicated = 8 * w  # two norm inputs, wq/wk/wv input, w1/w3 input
-    sharded = (4 + 4 * shape.kv_dim / h + 8 * shape.ffn_hidden / h) * w  # Q + wo input, K+V, SwiGLU
+    mlp = 8 if shape.gated_mlp else 4  # SwiGLU's w1 out, w3 out, silu out, product; ungated: act in and out
+    sharded = (4 + 4 * shape.kv_dim / h + mlp * shape.ffn_hidden / h) * w  # Q + wo input, K+V, MLP
     scores = 2 * w * shape.n_heads * s / h if attention == "eager" else 0.0
     if sp:
         return s * b * h * (replicated + sharded + scores) / t

@@ -439,6 +439,10 @@ def build(args: argparse.Namespace, model_builder: ModelBuilder | None = None) -
     spec = model_spec(args, model_builder, req, notes)
     c = cluster_from(args, req, notes)
     w = workload_from(args, c, req, notes)
+    if spec.attention and spec.attention != w.attention:
+        notes.append(f"attention {spec.attention}: transformers runs {spec.arch} without SDPA, so its attention "
+                     "scores are kept for backward")  # fmt: skip
+        w = replace(w, attention=spec.attention)
     if w.seq_len is None and spec.shape is not None:
         notes.append(f"sequence length {spec.shape.max_seq_len} (the model's max_seq_len) assumed: train runs "
                      f"--seq-len {req.cfg.data.seq_len} unless given; pass --seq-len to plan another")  # fmt: skip

@@ -155,6 +155,7 @@ def check_launch(cfg: RunConfig, world: int, nproc: int, meta_model: Any, input_
         spec = run_spec(cfg, meta_model, input_shape)
         c = device_cluster(world, nproc, cuda)
         w = run_workload(cfg, input_shape, topology.get("pp", 1), lm)
+        w = replace(w, attention=spec.attention) if spec.attention else w
         p = _peak(spec, c, w, cfg.strategy.name, topology)
     except (ConfigError, ValueError, RuntimeError, NotImplementedError) as e:
         print(f"paratrain: note: the memory plan of this run is not checked ({e})", file=sys.stderr)

@@ -8,6 +8,9 @@ MLP of ``n_inner`` or 4·``n_embd``, biases, learned positions, head tied unless
 false). The parameter count is ``transformers``' exactly: an explicit ``head_dim`` (Qwen3, Mistral Nemo) sets
 the attention width, and Qwen2's q/k/v biases, Llama's ``attention_bias``/``mlp_bias`` and Qwen3's per-head
 q/k norms are counted per layer.
+
+Any other ``model_type`` ``transformers`` knows is built on the meta device instead (:func:`meta_spec`): its
+parameters exact by place, its activations those of a Llama layer of its widths.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 from paratrain.errors import ConfigError
 from paratrain.plan.model import ModelSpec, ParamGroup, TransformerShape, spec_from_shape
 
-__all__ = ["LLAMA_LIKE", "MOE_TYPES", "hf_config_path", "shape_from_hf_config", "spec_from_hf_config"]
+__all__ = [
+    "LLAMA_LIKE", "MOE_TYPES", "hf_config_path", "meta_spec", "shape_from_hf_config", "spec_from_hf_config",
+]  # fmt: skip
 
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 """``model_type`` values planned as ``arch="llama"``."""
@@ -81,9 +86,9 @@ def shape_from_hf_config(path: Path) -> TransformerShape:
         )  # fmt: skip
     if kind not in LLAMA_LIKE + MOE_TYPES:
         raise ConfigError(
-            f"{path}: model_type {kind!r} is not one the planner models from a config (dense "
-            f"{', '.join(LLAMA_LIKE)} and gpt2; the mixtures of experts {', '.join(MOE_TYPES)}). Plan it with "
-            "--params N (states only)."
+            f"{path}: model_type {kind!r} is not one the planner reads from the JSON alone (dense "
+            f"{', '.join(LLAMA_LIKE)} and gpt2; the mixtures of experts {', '.join(MOE_TYPES)}); "
+            "spec_from_hf_config builds any other transformers causal LM on the meta device."
         )
     try:
         heads, dim = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
@@ -174,12 +179,183 @@ def _moe_spec(path: Path, cfg: dict[str, Any], shape: TransformerShape, name: st
 
 def spec_from_hf_config(path: Path, name: str) -> ModelSpec:
     """The planner's spec of the ``config.json`` at ``path``: its shape, and, with untied embeddings, the
-    embedding and the final norm + head as FSDP units of their own (as zero3/hsdp wrap an HF model)."""
-    shape = shape_from_hf_config(path)
+    embedding and the final norm + head as FSDP units of their own (as zero3/hsdp wrap an HF model). A model
+    type outside :data:`LLAMA_LIKE`, gpt2 and :data:`MOE_TYPES` is built on the meta device
+    (:func:`meta_spec`)."""
     cfg = _read(path)
+    if str(cfg.get("model_type", "")) not in ("gpt2", *LLAMA_LIKE, *MOE_TYPES):
+        return meta_spec(path, cfg, name)
+    shape = shape_from_hf_config(path)
     spec = (
         _moe_spec(path, cfg, shape, name)
         if cfg.get("model_type") in MOE_TYPES
         else spec_from_shape(shape, name)
     )
     return replace(spec, embedding_units=not shape.tied_embeddings)
+
+
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k", "router_top_k")
+"""Config keys that name the experts a token is routed to, across ``transformers``' MoE architectures."""
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys that name the routed experts of an MoE layer."""
+GATED_NAMES = ("gate_proj", "gate_up_proj", "w3", "wi_0", "gate_up")
+"""Parameter names of a gated MLP's gate (SwiGLU, GeGLU): an MLP without one has two matrices."""
+
+
+def _text_config(config: Any) -> Any:
+    """The language model's config of a composite (vision-language) config, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _build_meta(path: Path, kind: str) -> Any:
+    """``transformers``' causal LM of the config at ``path``, built on the meta device (no weights)."""
+    try:
+        import torch
+        import transformers
+        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover - both are paratrain dependencies
+        raise ConfigError(
+            f"{path}: model_type {kind!r} is planned from a meta build, which needs {e.name}."
+        ) from None
+    if kind not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"{path}: model_type {kind!r} is not one transformers {transformers.__version__} knows (custom code "
+            "is not run). Plan it with --params N (states only), or give the config of a known architecture."
+        )
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(
+            f"{path}: transformers could not build a causal LM of model_type {kind!r} from it ({e}). Plan it with "
+            "--params N (states only)."
+        ) from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _block_list(model: Any, n_layers: int) -> list[Any]:
+    """The decoder's layers: the ``ModuleList`` of ``n_layers`` modules holding the most parameters."""
+    from torch import nn
+
+    lists: list[nn.ModuleList] = [
+        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers
+    ]
+    if not lists:
+        raise ConfigError(
+            f"{type(model).__name__}: no list of its {n_layers} layers (num_hidden_layers) found."
+        )
+    best: nn.ModuleList = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(best)
+
+
+def _first_int(cfg: Any, *keys: str) -> int | None:
+    for k in keys:
+        v = getattr(cfg, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _meta_moe(blocks: list[Any], text: Any, dim: int, ffn: int, path: Path) -> Any:
+    """The :class:`~paratrain.plan.moe.MoEShape` of a meta-built model whose layers hold experts (parameters
+    under an ``experts`` module), else ``None``: the experts' count and ``top_k`` from the config, their width
+    from their parameters (three ``dim x moe_hidden`` matrices each, as the planner models an expert), the
+    shared experts from the parameters under a ``shared_expert(s)`` module."""
+    from paratrain.plan.moe import MoEShape
+
+    routed, shared, moe_layers = 0, 0, 0
+    for b in blocks:
+        names = [(n, p.numel()) for n, p in b.named_parameters()]
+        experts = sum(k for n, k in names if ".experts." in f".{n}")
+        if experts:
+            moe_layers += 1
+            routed += experts
+            shared += sum(
+                k for n, k in names if "shared_expert" in n and "gate." not in n.split("shared_expert")[-1]
+            )
+    if not moe_layers:
+        return None
+    n_experts = _first_int(text, *EXPERT_KEYS)
+    top_k = _first_int(text, *TOP_K_KEYS)
+    if n_experts is None or top_k is None:
+        raise ConfigError(
+            f"{path}: its layers hold experts, but the config names no expert count ({', '.join(EXPERT_KEYS)}) or "
+            f"no experts per token ({', '.join(TOP_K_KEYS)}); add them to plan it."
+        )
+    moe_hidden = max(1, round(routed / moe_layers / (3 * n_experts * dim)))
+    return MoEShape(dim=dim, n_experts=n_experts, top_k=top_k, n_shared_experts=shared / moe_layers / (3 * dim * moe_hidden),
+                    moe_hidden=moe_hidden, moe_layers=moe_layers, ffn_hidden=ffn)  # fmt: skip
+
+
+def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
+    """Any other decoder ``transformers`` builds (Gemma, Phi-3, OLMo, GPT-NeoX, StarCoder2, DeepSeek-V3, ...;
+    a vision-language model's language model): ``AutoModelForCausalLM.from_config`` on the meta device, its
+    parameters counted exactly by place: each layer of the decoder's layer list is an FSDP unit and a pipeline
+    slice; the parameters registered before the first layer (the embeddings, a vision tower) go with the first
+    stage, those after the last (the final norm, the head) with the last. Matrices split over tp, vectors are
+    replicated. The activations and the width model use a Llama layer of the config's widths (``hidden_size``,
+    heads, KV heads, ``head_dim``, ``intermediate_size``; gated or not as its MLP is): an approximation for
+    architectures whose layers differ (extra norms, dropout, sliding windows, MLA, linear attention). The model
+    plans data-parallel layouts only, as ``train`` runs it; an MoE model's experts (:func:`_meta_moe`) count
+    as routed experts."""
+    kind = str(cfg.get("model_type", ""))
+    model = _build_meta(path, kind)
+    text = _text_config(model.config)
+    dim = _first_int(text, "hidden_size", "n_embd", "d_model")
+    n_layers = _first_int(text, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first_int(text, "num_attention_heads", "n_head", "num_heads")
+    if dim is None or n_layers is None or heads is None:
+        raise ConfigError(f"{path}: the config names no hidden size, layer count or head count to plan it.")
+    blocks = _block_list(model, n_layers)
+    in_block = {id(p) for b in blocks for p in b.parameters()}
+    first_block = {id(p) for p in blocks[0].parameters()}
+    per_block = [ParamGroup() for _ in blocks]
+    where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    first, last, largest, total, seen_block = ParamGroup(), ParamGroup(), ParamGroup(), 0, False
+    for _, p in model.named_parameters():
+        g = ParamGroup(sharded=p.numel()) if p.dim() >= 2 else ParamGroup(replicated=p.numel())
+        total += p.numel()
+        largest = g if g.total > largest.total else largest
+        seen_block = seen_block or id(p) in first_block
+        if id(p) in in_block:
+            per_block[where[id(p)]] += g
+        elif seen_block:
+            last += g
+        else:
+            first += g
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out is not None and inp is not None and out.weight is inp.weight
+    qk_dim = (_first_int(text, "qk_nope_head_dim") or 0) + (_first_int(text, "qk_rope_head_dim") or 0)  # MLA
+    head_dim = qk_dim or _first_int(text, "head_dim") or dim // heads
+    kv = _first_int(text, "num_key_value_heads", "num_kv_heads", "n_head_kv") or heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv = 1  # Falcon's multi-query attention
+    kv = kv if heads % kv == 0 else heads
+    ffn = _first_int(text, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size") or 4 * dim
+    moe = _meta_moe(blocks, text, dim, ffn, path)
+    # an MoE model's experts are planned gated (three matrices), and so is the dense MLP they replace
+    gated = moe is not None or any(
+        g in n for b in blocks for n, _ in b.named_parameters() for g in GATED_NAMES
+    )
+    norms = sum(
+        1 for m in blocks[0].modules()
+        if "norm" in type(m).__name__.lower() and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == dim
+    )  # fmt: skip
+    shape = TransformerShape(
+        dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn, norms=norms or 2,
+        attention_softcap=getattr(text, "attn_logit_softcapping", None) is not None,
+        logit_softcap=getattr(text, "final_logit_softcapping", None) is not None,
+        vocab_size=_first_int(text, "vocab_size") or 1,
+        max_seq_len=_first_int(text, "max_position_embeddings", "n_positions", "seq_length", "max_seq_len") or 4096,
+        tied_embeddings=tied, attn_head_dim=head_dim if head_dim * heads != dim else 0, gated_mlp=gated,
+    )  # fmt: skip
+    return ModelSpec(
+        name=name, num_params=total, shape=shape, first=first, layers=tuple(per_block), last=last,
+        largest_tensor=largest, moe=moe, splits=(), attention="" if getattr(model, "_supports_sdpa", True) else "eager", arch=type(model).__name__,
+        embedding_units=not tied,
+    )  # fmt: skip

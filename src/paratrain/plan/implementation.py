@@ -33,6 +33,12 @@ input, normed output and rstd (÷ t with SP), the output layer's input (gathered
 and cross-entropy's log-softmax, sbV·F. paratrain's output layer gathers the logits to all V on every TP rank
 unless ``strategy.loss_parallel`` is set, so this is ÷ t only with loss parallelism.
 
+**Hugging Face architectures** planned from a meta build (:func:`paratrain.plan.hf_config.meta_spec`) differ
+in a few places the shape names: ``norms`` per layer (Gemma 2 has four), an ungated MLP (two f-wide tensors,
+2sbf·E), soft-capped attention scores (eager attention keeps the tanh too, a·s²b·E) and soft-capped logits
+(one more logits-sized tensor kept, sbV·E: the tanh's output; the capping's backward frees as it goes, measured
+on a Gemma 2 under ddp, zero2 and zero3: ``benchmarks/results/plan_vs_measured_hf_archs.json``).
+
 **Backward starts** with two more logits-sized tensors live at once: ``nll_loss_backward``'s gradient of the
 log-probabilities and ``_log_softmax_backward_data``'s gradient of the logits, 2sbV·F: :func:`loss_grad`.
 Under loss parallelism torch's DTensor handler (``torch.distributed.tensor.parallel.loss``,
@@ -62,11 +68,13 @@ def layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = Fals
           act_bytes: int = 4) -> float:  # fmt: skip
     """Bytes one paratrain Llama layer keeps for backward on one rank (see the module docstring)."""
     sb, h, f, a, e = s * b, shape.dim, shape.ffn_hidden, shape.n_heads, act_bytes
-    norms = 2 * (2 * sb * h + sb) * F32  # per norm: input + normed output (sbh each) and rstd (sb), fp32
+    norms = shape.norms * (2 * sb * h + sb) * F32  # per norm: input + normed output (sbh each), rstd (sb)
     linear_inputs = 2 * sb * h * e  # wq/wk/wv's and w1/w3's shared inputs (SP: gathered, full sequence)
     attention_kept = 4 * sb * h * e  # q, repeated k and v, SDPA output (= wo's input)
     attention_kept += a * sb * F32 if attention == "sdpa" else a * s * sb * e  # logsumexp, or probabilities
-    mlp = 4 * sb * f * e  # w1 out, w3 out, silu out, product
+    if attention != "sdpa" and shape.attention_softcap:
+        attention_kept += a * s * sb * e  # the soft-capped scores' tanh
+    mlp = (4 if shape.gated_mlp else 2) * sb * f * e  # w1 out, w3 out, silu out, product (ungated: in, out)
     return norms / (t if sp else 1) + linear_inputs + (attention_kept + mlp) / t
 
 
@@ -84,7 +92,8 @@ def last_extra(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool =
     norm = (2 * sb * h + sb) * F32 / (t if sp else 1)
     head_input = sb * h * act_bytes  # all-gathered to the full sequence with SP, replicated without
     log_probs = sb * shape.vocab_size * (act_bytes if compiled_loss else F32) / (t if loss_parallel else 1)
-    return norm + head_input + log_probs + sb * INT64
+    capped = sb * shape.vocab_size * act_bytes / (t if loss_parallel else 1) if shape.logit_softcap else 0.0
+    return norm + head_input + log_probs + capped + sb * INT64
 
 
 def loss_grad(shape: TransformerShape, s: int, b: float, t: int = 1, loss_parallel: bool = False,

@@ -64,6 +64,16 @@ class TransformerShape:
     layer_extra: ParamGroup = field(default_factory=ParamGroup)
     """Per-layer parameters beyond the arch's formula (Hugging Face configs: q/k/v/o or MLP biases, Qwen3's
     per-head q/k norms), so that a config's count is exact."""
+    norms: int = 2
+    """Hidden-size-wide norms per layer (Llama: 2; Gemma 2: 4, before and after attention and the MLP)."""
+    attention_softcap: bool = False
+    """Attention scores soft-capped, ``cap * tanh(scores / cap)`` (Gemma 2): eager attention keeps the tanh too."""
+    logit_softcap: bool = False
+    """Logits soft-capped (Gemma 2's ``final_logit_softcapping``): one more logits-sized tensor kept (the tanh's
+    output)."""
+    gated_mlp: bool = True
+    """``arch="llama"``: a gated MLP of three ``ffn_hidden``-wide matrices (SwiGLU, GeGLU); ``False``: two (an
+    up and a down projection around the activation, as GPT-NeoX's, StarCoder2's or Arcee's)."""
 
     def __post_init__(self) -> None:
         for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
@@ -83,6 +93,11 @@ class TransformerShape:
         return self.attn_head_dim or self.dim // self.n_heads
 
     @property
+    def mlp_matrices(self) -> int:
+        """``ffn_hidden``-wide matrices of the MLP: 3 gated (Llama), 2 not (GPT)."""
+        return 3 if self.gated_mlp and self.arch != "gpt" else 2
+
+    @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
@@ -90,8 +105,8 @@ class TransformerShape:
         h, kv, f, q = self.dim, self.kv_dim, self.ffn_hidden, self.n_heads * self.head_dim
         if self.arch == "gpt":  # qkv (+bias), proj (+bias), fc1 (+bias), fc2 (+bias), 2 LayerNorms (w, b)
             base = ParamGroup(sharded=3 * h * h + h * h + 2 * h * f + 3 * h + f, replicated=h + h + 4 * h)
-        else:  # wq wo wk wv w1 w2 w3, 2 RMSNorms
-            base = ParamGroup(sharded=2 * h * q + 2 * h * kv + 3 * h * f, replicated=2 * h)
+        else:  # wq wo wk wv w1 w2 (w3), 2 RMSNorms
+            base = ParamGroup(sharded=2 * h * q + 2 * h * kv + self.mlp_matrices * h * f, replicated=2 * h)
         return base + self.layer_extra
 
     def embedding(self) -> ParamGroup:
@@ -171,6 +186,9 @@ class ModelSpec:
     tensor-parallel plan, a stage split or paratrain's MoE layers plans data-parallel layouts only."""
     arch: str = ""
     """A Hugging Face model's ``transformers`` class (the refusals name it); empty for paratrain's own."""
+    attention: str = ""
+    """The attention a Hugging Face architecture runs when ``transformers`` has no SDPA path for it (``"eager"``:
+    Gemma 2, BLOOM, ...); empty: the workload's (``--attention``)."""
     embedding_units: bool = False
     """FSDP (zero3/hsdp) wraps ``first`` (the embedding) and ``last`` (final norm + head) as units of their own
     and leaves the root empty: Hugging Face models with untied embeddings

@@ -68,7 +68,7 @@ def recompute_fraction(spec: ModelSpec, mode: str, every: int = 1) -> float:
         if spec.shape is None:
             return 0.0  # convolutions and matmuls are kept: only the cheap ops rerun
         h, kv, f = spec.shape.dim, spec.shape.kv_dim, spec.shape.ffn_hidden
-        return (h * kv + h * h + h * f) / (2 * h * h + 2 * h * kv + 3 * h * f)
+        return (h * kv + h * h + h * f) / (2 * h * h + 2 * h * kv + spec.shape.mlp_matrices * h * f)
     return 1.0
 
 
@@ -139,7 +139,8 @@ def linear_gemms(spec: ModelSpec, tp: int, tokens: float) -> list[tuple[float, f
         attn = [(h, 3 * h / tp, m, 1.0), (h / tp, h, m, 1.0)]
     else:
         attn = [(h, q / tp, m, 1.0), (h, kv / tp, m, 2.0), (q / tp, h, m, 1.0)]
-    dense = [(h, f / tp, m, 1.0), (f / tp, h, m, 1.0)] + ([(h, f / tp, m, 1.0)] if sh.arch != "gpt" else [])
+    gate = [(h, f / tp, m, 1.0)] if sh.mlp_matrices == 3 else []
+    dense = [(h, f / tp, m, 1.0), (f / tp, h, m, 1.0), *gate]
     moe = spec.moe
     if moe is None:
         return attn + dense
