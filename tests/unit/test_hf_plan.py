@@ -371,3 +371,27 @@ def test_unknown_and_non_causal_model_types_are_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ConfigError, match="could not build a causal LM"):
         spec_from_hf_config(tmp_path / "config.json", "x")
+
+
+def test_per_head_qk_norms_keep_their_inputs_and_outputs(tmp_path: Path) -> None:
+    """Qwen3 (from the JSON) and Gemma 3 (from a meta build) normalise q and k per head: each norm keeps its
+    input and output in fp32 and an rstd per head, on the rank's heads; Llama has none."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from paratrain.plan.hf_config import spec_from_hf_config
+    from paratrain.plan.implementation import layer
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 256}  # fmt: skip
+    s, b, t = 64, 2, 2
+    for kind, has in (("qwen3", True), ("gemma3_text", True), ("llama", False)):
+        d = tmp_path / kind
+        AutoConfig.for_model(kind, **small).save_pretrained(str(d))
+        sh = spec_from_hf_config(d / "config.json", f"hf:{d}").shape
+        assert sh is not None and sh.qk_norms is has, kind
+        if has:
+            q, kv = 4 * 32, 2 * 32
+            extra = layer(sh, s, b, t) - layer(replace(sh, qk_norms=False), s, b, t)
+            assert extra == (2 * s * b * (q + kv) + s * b * (4 + 2)) * 4 / t

@@ -98,7 +98,7 @@ def shape_from_hf_config(path: Path) -> TransformerShape:
             dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn,
             vocab_size=int(cfg["vocab_size"]), max_seq_len=int(_get(cfg, "max_position_embeddings") or 4096),
             arch="llama", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attn_head_dim=head_dim if head_dim * heads != dim else 0,
+            attn_head_dim=head_dim if head_dim * heads != dim else 0, qk_norms=kind in ("qwen3", "qwen3_moe"),
             layer_extra=_layer_extra(kind, cfg, dim, heads * head_dim, kv * head_dim, head_dim, ffn),
         )  # fmt: skip
     except KeyError as e:
@@ -229,7 +229,7 @@ def _build_meta(path: Path, kind: str) -> Any:
         config = AutoConfig.from_pretrained(str(path))
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except Exception as e:  # transformers' own checks of the config (AssertionError, ValueError, ...)
         raise ConfigError(
             f"{path}: transformers could not build a causal LM of model_type {kind!r} from it ({e}). Plan it with "
             "--params N (states only)."
@@ -342,12 +342,12 @@ def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
     gated = moe is not None or any(
         g in n for b in blocks for n, _ in b.named_parameters() for g in GATED_NAMES
     )
-    norms = sum(
-        1 for m in blocks[0].modules()
-        if "norm" in type(m).__name__.lower() and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == dim
-    )  # fmt: skip
+    widths = [getattr(m, "weight", None) for m in blocks[0].modules() if "norm" in type(m).__name__.lower()]
+    widths = [w.numel() for w in widths if w is not None]
+    norms = widths.count(dim)
     shape = TransformerShape(
         dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn, norms=norms or 2,
+        qk_norms=head_dim != dim and widths.count(head_dim) >= 2,
         attention_softcap=getattr(text, "attn_logit_softcapping", None) is not None,
         logit_softcap=getattr(text, "final_logit_softcapping", None) is not None,
         vocab_size=_first_int(text, "vocab_size") or 1,

@@ -33,8 +33,9 @@ input, normed output and rstd (÷ t with SP), the output layer's input (gathered
 and cross-entropy's log-softmax, sbV·F. paratrain's output layer gathers the logits to all V on every TP rank
 unless ``strategy.loss_parallel`` is set, so this is ÷ t only with loss parallelism.
 
-**Hugging Face architectures** planned from a meta build (:func:`paratrain.plan.hf_config.meta_spec`) differ
-in a few places the shape names: ``norms`` per layer (Gemma 2 has four), an ungated MLP (two f-wide tensors,
+**Hugging Face architectures** differ in a few places the shape names: per-head q/k norms (Qwen3, Gemma 3:
+each keeps its input and output, 2sb(q + kv)·F), and, planned from a meta build
+(:func:`paratrain.plan.hf_config.meta_spec`), ``norms`` per layer (Gemma 2 has four), an ungated MLP (two f-wide tensors,
 2sbf·E), soft-capped attention scores (eager attention keeps the tanh too, a·s²b·E) and soft-capped logits
 (one more logits-sized tensor kept, sbV·E: the tanh's output; the capping's backward frees as it goes, measured
 on a Gemma 2 under ddp, zero2 and zero3: ``benchmarks/results/plan_vs_measured_hf_archs.json``).
@@ -69,6 +70,9 @@ def layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = Fals
     """Bytes one paratrain Llama layer keeps for backward on one rank (see the module docstring)."""
     sb, h, f, a, e = s * b, shape.dim, shape.ffn_hidden, shape.n_heads, act_bytes
     norms = shape.norms * (2 * sb * h + sb) * F32  # per norm: input + normed output (sbh each), rstd (sb)
+    if shape.qk_norms:  # per head, on the rank's heads: q and k in, normed out, and the rstd per head
+        q, kv = shape.n_heads * shape.head_dim, shape.kv_dim
+        norms += (2 * sb * (q + kv) + sb * (a + shape.n_kv_heads)) * F32 / t
     linear_inputs = 2 * sb * h * e  # wq/wk/wv's and w1/w3's shared inputs (SP: gathered, full sequence)
     attention_kept = 4 * sb * h * e  # q, repeated k and v, SDPA output (= wo's input)
     attention_kept += a * sb * F32 if attention == "sdpa" else a * s * sb * e  # logsumexp, or probabilities

@@ -66,6 +66,8 @@ class TransformerShape:
     per-head q/k norms), so that a config's count is exact."""
     norms: int = 2
     """Hidden-size-wide norms per layer (Llama: 2; Gemma 2: 4, before and after attention and the MLP)."""
+    qk_norms: bool = False
+    """Per-head norms of the queries and keys (Qwen3, Gemma 3): each keeps its input and output."""
     attention_softcap: bool = False
     """Attention scores soft-capped, ``cap * tanh(scores / cap)`` (Gemma 2): eager attention keeps the tanh too."""
     logit_softcap: bool = False
