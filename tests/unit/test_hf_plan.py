@@ -395,3 +395,31 @@ def test_per_head_qk_norms_keep_their_inputs_and_outputs(tmp_path: Path) -> None
             q, kv = 4 * 32, 2 * 32
             extra = layer(sh, s, b, t) - layer(replace(sh, qk_norms=False), s, b, t)
             assert extra == (2 * s * b * (q + kv) + s * b * (4 + 2)) * 4 / t
+
+
+def test_every_causal_lm_transformers_builds_plans_or_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A sample of transformers' causal LMs at their default configs (a published config.json's fields): a
+    Mamba (no attention heads) is refused naming what is missing; a layer count that names sublayers (LongCat)
+    and per-layer attributes without one value (Gemma 4's head_dim) still plan."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from paratrain.plan.api import plan
+    from paratrain.plan.hf_config import spec_from_hf_config
+    from paratrain.plan.stage import Workload
+    from paratrain.spec.hardware import PRESETS
+
+    for kind in ("longcat_flash", "gemma4_text", "falcon", "bloom", "jamba"):
+        d = tmp_path / kind
+        AutoConfig.for_model(kind, num_hidden_layers=2).save_pretrained(str(d))
+        spec = spec_from_hf_config(d / "config.json", kind)
+        assert spec.shape is not None and len(spec.layers) == spec.shape.n_layers >= 2, kind
+        out = plan(
+            spec, replace(PRESETS["h100-nvlink-ib"], gpus=8), Workload(batch_size=8, seq_len=256), "zero3"
+        )
+        assert out["plans"][0]["bytes_per_rank"]["activations"] > 0, kind
+    d = tmp_path / "mamba"
+    AutoConfig.for_model("mamba", num_hidden_layers=2).save_pretrained(str(d))
+    with pytest.raises(ConfigError, match="no num_attention_heads .*--params N"):
+        spec_from_hf_config(d / "config.json", "mamba")

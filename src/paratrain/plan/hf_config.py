@@ -239,23 +239,25 @@ def _build_meta(path: Path, kind: str) -> Any:
 
 
 def _block_list(model: Any, n_layers: int) -> list[Any]:
-    """The decoder's layers: the ``ModuleList`` of ``n_layers`` modules holding the most parameters."""
+    """The decoder's layers: the ``ModuleList`` of ``n_layers`` modules holding the most parameters, else (a
+    config whose layer count names something else, such as LongCat's sublayers) the ``ModuleList`` holding the
+    most parameters."""
     from torch import nn
 
-    lists: list[nn.ModuleList] = [
-        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers
-    ]
-    if not lists:
-        raise ConfigError(
-            f"{type(model).__name__}: no list of its {n_layers} layers (num_hidden_layers) found."
-        )
-    best: nn.ModuleList = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    sized = [m for m in lists if len(m) == n_layers] or lists
+    if not sized:
+        raise ConfigError(f"{type(model).__name__}: no list of decoder layers found to plan it by layer.")
+    best: nn.ModuleList = max(sized, key=lambda m: sum(p.numel() for p in m.parameters()))
     return list(best)
 
 
 def _first_int(cfg: Any, *keys: str) -> int | None:
     for k in keys:
-        v = getattr(cfg, k, None)
+        try:
+            v = getattr(cfg, k, None)
+        except Exception:  # a per-layer attribute that has no one value (Gemma 4's head_dim)
+            v = None
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
@@ -310,8 +312,21 @@ def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
     n_layers = _first_int(text, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first_int(text, "num_attention_heads", "n_head", "num_heads")
     if dim is None or n_layers is None or heads is None:
-        raise ConfigError(f"{path}: the config names no hidden size, layer count or head count to plan it.")
+        missing = [
+            k
+            for k, v in (
+                ("hidden_size", dim),
+                ("num_hidden_layers", n_layers),
+                ("num_attention_heads", heads),
+            )
+            if v is None
+        ]
+        raise ConfigError(
+            f"{path}: the config names no {', '.join(missing)} ({type(model).__name__} is not an attention decoder "
+            "the planner models by layer). Plan it with --params N (states only)."
+        )
     blocks = _block_list(model, n_layers)
+    n_layers = len(blocks)
     in_block = {id(p) for b in blocks for p in b.parameters()}
     first_block = {id(p) for p in blocks[0].parameters()}
     per_block = [ParamGroup() for _ in blocks]
