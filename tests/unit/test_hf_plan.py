@@ -400,7 +400,8 @@ def test_per_head_qk_norms_keep_their_inputs_and_outputs(tmp_path: Path) -> None
 def test_every_causal_lm_transformers_builds_plans_or_is_refused_in_one_line(tmp_path: Path) -> None:
     """A sample of transformers' causal LMs at their default configs (a published config.json's fields): a
     Mamba (no attention heads) is refused naming what is missing; a layer count that names sublayers (LongCat)
-    and per-layer attributes without one value (Gemma 4's head_dim) still plan."""
+    and per-layer attributes without one value (Gemma 4's head_dim) still plan; a vision-language Gemma 3 is
+    planned by its language model's layers, not its vision encoder's."""
     from dataclasses import replace
 
     from transformers import AutoConfig
@@ -410,15 +411,22 @@ def test_every_causal_lm_transformers_builds_plans_or_is_refused_in_one_line(tmp
     from paratrain.plan.stage import Workload
     from paratrain.spec.hardware import PRESETS
 
-    for kind in ("longcat_flash", "gemma4_text", "falcon", "bloom", "jamba"):
+    for kind in ("longcat_flash", "gemma4_text", "falcon", "bloom", "jamba", "gemma3"):
         d = tmp_path / kind
         AutoConfig.for_model(kind, num_hidden_layers=2).save_pretrained(str(d))
         spec = spec_from_hf_config(d / "config.json", kind)
-        assert spec.shape is not None and len(spec.layers) == spec.shape.n_layers >= 2, kind
+        assert spec.shape is not None and len(spec.layers) == spec.shape.n_layers >= 1, kind
         out = plan(
             spec, replace(PRESETS["h100-nvlink-ib"], gpus=8), Workload(batch_size=8, seq_len=256), "zero3"
         )
         assert out["plans"][0]["bytes_per_rank"]["activations"] > 0, kind
+        if (
+            kind == "gemma3"
+        ):  # the language model's layers (its text config's count), the vision tower before them
+            text_layers = AutoConfig.for_model("gemma3").get_text_config().num_hidden_layers
+            assert (
+                len(spec.layers) == text_layers and spec.first.total > spec.shape.vocab_size * spec.shape.dim
+            )
     d = tmp_path / "mamba"
     AutoConfig.for_model("mamba", num_hidden_layers=2).save_pretrained(str(d))
     with pytest.raises(ConfigError, match="no num_attention_heads .*--params N"):

@@ -35,18 +35,22 @@ def architecture(model: nn.Module) -> str:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ``ModuleList`` of the model's repeated decoder blocks: the one whose entries are instances of
-    the classes in ``_no_split_modules`` (else the longest ``ModuleList`` of modules)."""
+    """The ``ModuleList`` of the model's repeated decoder blocks: of those whose entries are instances of the
+    classes in ``_no_split_modules``, the one holding the most parameters (a vision-language model lists its
+    vision encoder's layers there too); else the longest ``ModuleList`` of modules."""
     wanted = set(getattr(model, "_no_split_modules", None) or ())
     best: nn.ModuleList | None = None
+    blocks: list[nn.ModuleList] = []
     for _, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) == 0:
             continue
         present = [b for b in m if b is not None]
         if wanted and present and all(type(b).__name__ in wanted for b in present):
-            return m
+            blocks.append(m)
         if best is None or len(m) > len(best):
             best = m
+    if blocks:
+        return max(blocks, key=lambda m: sum(p.numel() for p in m.parameters()))
     if best is None:
         raise ConfigError(f"{architecture(model)}: found no list of decoder layers to shard block by block.")
     return best

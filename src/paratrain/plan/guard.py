@@ -74,7 +74,8 @@ def run_spec(cfg: RunConfig, meta_model: Any, input_shape: tuple[int, ...]) -> M
         try:
             path = hf_config_path(cfg.model.name)
             if path is not None:
-                return spec_from_hf_config(path, cfg.model.name)
+                built = meta_model if getattr(meta_model, "config", None) is not None else None
+                return spec_from_hf_config(path, cfg.model.name, built)
         except ConfigError:  # a model type the planner has no shape for: its states, as below
             pass
     config = getattr(meta_model, "config", None)

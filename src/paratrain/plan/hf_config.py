@@ -177,14 +177,14 @@ def _moe_spec(path: Path, cfg: dict[str, Any], shape: TransformerShape, name: st
                    arch=arch[kind])  # fmt: skip
 
 
-def spec_from_hf_config(path: Path, name: str) -> ModelSpec:
+def spec_from_hf_config(path: Path, name: str, model: Any = None) -> ModelSpec:
     """The planner's spec of the ``config.json`` at ``path``: its shape, and, with untied embeddings, the
     embedding and the final norm + head as FSDP units of their own (as zero3/hsdp wrap an HF model). A model
     type outside :data:`LLAMA_LIKE`, gpt2 and :data:`MOE_TYPES` is built on the meta device
-    (:func:`meta_spec`)."""
+    (:func:`meta_spec`), or read from ``model`` when the caller has built it."""
     cfg = _read(path)
     if str(cfg.get("model_type", "")) not in ("gpt2", *LLAMA_LIKE, *MOE_TYPES):
-        return meta_spec(path, cfg, name)
+        return meta_spec(path, cfg, name, model)
     shape = shape_from_hf_config(path)
     spec = (
         _moe_spec(path, cfg, shape, name)
@@ -238,20 +238,6 @@ def _build_meta(path: Path, kind: str) -> Any:
         transformers.logging.set_verbosity(verbosity)
 
 
-def _block_list(model: Any, n_layers: int) -> list[Any]:
-    """The decoder's layers: the ``ModuleList`` of ``n_layers`` modules holding the most parameters, else (a
-    config whose layer count names something else, such as LongCat's sublayers) the ``ModuleList`` holding the
-    most parameters."""
-    from torch import nn
-
-    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    sized = [m for m in lists if len(m) == n_layers] or lists
-    if not sized:
-        raise ConfigError(f"{type(model).__name__}: no list of decoder layers found to plan it by layer.")
-    best: nn.ModuleList = max(sized, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(best)
-
-
 def _first_int(cfg: Any, *keys: str) -> int | None:
     for k in keys:
         try:
@@ -294,19 +280,19 @@ def _meta_moe(blocks: list[Any], text: Any, dim: int, ffn: int, path: Path) -> A
                     moe_hidden=moe_hidden, moe_layers=moe_layers, ffn_hidden=ffn)  # fmt: skip
 
 
-def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
+def meta_spec(path: Path, cfg: dict[str, Any], name: str, model: Any = None) -> ModelSpec:
     """Any other decoder ``transformers`` builds (Gemma, Phi-3, OLMo, GPT-NeoX, StarCoder2, DeepSeek-V3, ...;
     a vision-language model's language model): ``AutoModelForCausalLM.from_config`` on the meta device, its
-    parameters counted exactly by place: each layer of the decoder's layer list is an FSDP unit and a pipeline
-    slice; the parameters registered before the first layer (the embeddings, a vision tower) go with the first
+    parameters counted exactly by place: each layer of the decoder's layer list (``models.hf_arch.decoder_layers``,
+    the list ``train`` shards) is an FSDP unit and a pipeline slice; the parameters registered before the first layer (the embeddings, a vision tower) go with the first
     stage, those after the last (the final norm, the head) with the last. Matrices split over tp, vectors are
     replicated. The activations and the width model use a Llama layer of the config's widths (``hidden_size``,
     heads, KV heads, ``head_dim``, ``intermediate_size``; gated or not as its MLP is): an approximation for
     architectures whose layers differ (extra norms, dropout, sliding windows, MLA, linear attention). The model
     plans data-parallel layouts only, as ``train`` runs it; an MoE model's experts (:func:`_meta_moe`) count
-    as routed experts."""
+    as routed experts. ``model``: the same model already built (the launch guard's), else it is built here."""
     kind = str(cfg.get("model_type", ""))
-    model = _build_meta(path, kind)
+    model = model if model is not None else _build_meta(path, kind)
     text = _text_config(model.config)
     dim = _first_int(text, "hidden_size", "n_embd", "d_model")
     n_layers = _first_int(text, "num_hidden_layers", "n_layer", "num_layers")
@@ -325,10 +311,10 @@ def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
             f"{path}: the config names no {', '.join(missing)} ({type(model).__name__} is not an attention decoder "
             "the planner models by layer). Plan it with --params N (states only)."
         )
-    blocks = _block_list(model, n_layers)
+    from paratrain.models.hf_arch import architecture, decoder_layers
+
+    blocks = [b for b in decoder_layers(model) if b is not None]  # the list train shards block by block
     n_layers = len(blocks)
-    in_block = {id(p) for b in blocks for p in b.parameters()}
-    first_block = {id(p) for p in blocks[0].parameters()}
     per_block = [ParamGroup() for _ in blocks]
     where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     first, last, largest, total, seen_block = ParamGroup(), ParamGroup(), ParamGroup(), 0, False
@@ -336,13 +322,14 @@ def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
         g = ParamGroup(sharded=p.numel()) if p.dim() >= 2 else ParamGroup(replicated=p.numel())
         total += p.numel()
         largest = g if g.total > largest.total else largest
-        seen_block = seen_block or id(p) in first_block
-        if id(p) in in_block:
+        seen_block = seen_block or id(p) in where
+        if id(p) in where:
             per_block[where[id(p)]] += g
         elif seen_block:
             last += g
         else:
             first += g
+    arch = architecture(model)  # the transformers class, also of the launch guard's swapped subclass
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     qk_dim = (_first_int(text, "qk_nope_head_dim") or 0) + (_first_int(text, "qk_rope_head_dim") or 0)  # MLA
@@ -371,6 +358,6 @@ def meta_spec(path: Path, cfg: dict[str, Any], name: str) -> ModelSpec:
     )  # fmt: skip
     return ModelSpec(
         name=name, num_params=total, shape=shape, first=first, layers=tuple(per_block), last=last,
-        largest_tensor=largest, moe=moe, splits=(), attention="" if getattr(model, "_supports_sdpa", True) else "eager", arch=type(model).__name__,
-        embedding_units=not tied,
+        largest_tensor=largest, moe=moe, splits=(), arch=arch, embedding_units=not tied,
+        attention="" if getattr(model, "_supports_sdpa", True) else "eager",
     )  # fmt: skip

@@ -70,12 +70,12 @@ def layer(shape: TransformerShape, s: int, b: float, t: int = 1, sp: bool = Fals
     """Bytes one paratrain Llama layer keeps for backward on one rank (see the module docstring)."""
     sb, h, f, a, e = s * b, shape.dim, shape.ffn_hidden, shape.n_heads, act_bytes
     norms = shape.norms * (2 * sb * h + sb) * F32  # per norm: input + normed output (sbh each), rstd (sb)
-    if shape.qk_norms:  # per head, on the rank's heads: q and k in, normed out, and the rstd per head
-        q, kv = shape.n_heads * shape.head_dim, shape.kv_dim
-        norms += (2 * sb * (q + kv) + sb * (a + shape.n_kv_heads)) * F32 / t
     linear_inputs = 2 * sb * h * e  # wq/wk/wv's and w1/w3's shared inputs (SP: gathered, full sequence)
     attention_kept = 4 * sb * h * e  # q, repeated k and v, SDPA output (= wo's input)
     attention_kept += a * sb * F32 if attention == "sdpa" else a * s * sb * e  # logsumexp, or probabilities
+    if shape.qk_norms:  # per head, on the rank's heads: q and k in, normed out, and the rstd per head
+        q, kv = shape.n_heads * shape.head_dim, shape.kv_dim
+        attention_kept += (2 * sb * (q + kv) + sb * (a + shape.n_kv_heads)) * F32
     if attention != "sdpa" and shape.attention_softcap:
         attention_kept += a * s * sb * e  # the soft-capped scores' tanh
     mlp = (4 if shape.gated_mlp else 2) * sb * f * e  # w1 out, w3 out, silu out, product (ungated: in, out)
