@@ -393,8 +393,9 @@ def test_per_head_qk_norms_keep_their_inputs_and_outputs(tmp_path: Path) -> None
         assert sh is not None and sh.qk_norms is has, kind
         if has:
             q, kv = 4 * 32, 2 * 32
-            extra = layer(sh, s, b, t) - layer(replace(sh, qk_norms=False), s, b, t)
-            assert extra == (2 * s * b * (q + kv) + s * b * (4 + 2)) * 4 / t
+            for sp in (False, True):  # on the rank's heads: divided by tp once, with or without SP
+                extra = layer(sh, s, b, t, sp) - layer(replace(sh, qk_norms=False), s, b, t, sp)
+                assert extra == pytest.approx((2 * s * b * (q + kv) + s * b * (4 + 2)) * 4 / t), (kind, sp)
 
 
 def test_every_causal_lm_transformers_builds_plans_or_is_refused_in_one_line(tmp_path: Path) -> None:
