@@ -41,16 +41,24 @@ from paratrain.plan.time import model_flops_per_sample
 from paratrain.spec.capabilities import hf_no_ep, hf_no_pp, hf_no_tp
 from paratrain.spec.hardware import Cluster
 
-RESERVED_OVER_ALLOCATED = 1.12
-"""The CUDA caching allocator's reserved bytes over its allocated peak, measured on paratrain's GPU runs
-(``benchmarks/results/plan_vs_cuda_h200.json``, llama-small on one H200: 1.09 under ddp/zero1/zero2, 1.16 under
-zero3, whose all-gathers and frees fragment more): ``peak_reserved`` = allocated peak × 1.12. Peers report
-reserved (torchtitan's "Memory (GiB)" is ``torch.cuda.max_memory_reserved``); ``fits`` is decided on the
-allocated peak."""
+RESERVED_OVER_ALLOCATED = {"full": 1.16, "other": 1.09}
+"""The CUDA caching allocator's reserved bytes over its allocated peak, as measured on paratrain's GPU runs
+(``benchmarks/results/plan_vs_cuda_h200.json``, llama-small on one H200): 1.16 when parameters are sharded
+and gathered layer by layer (``sharding == "full"``: zero3, hsdp and every ``fsdp+`` layout, whose
+all-gathers and frees fragment the cache), 1.09 otherwise (ddp, dp, zero1, zero2, tp and pp alone).
+``peak_reserved`` = allocated peak × that ratio. Peers report reserved (torchtitan's "Memory (GiB)" is
+``torch.cuda.max_memory_reserved``); ``fits`` is decided on the allocated peak."""
+
+
+def reserved_over_allocated(sharding: str, cluster: Cluster) -> float:
+    """The ratio ``peak_reserved / peak`` for a plan (1 on CPU, where there is no caching allocator)."""
+    if cluster.on_cpu:
+        return 1.0
+    return RESERVED_OVER_ALLOCATED["full" if sharding == "full" else "other"]
 
 
 def _memory_row(st: Stage, states: mem.States, moment: pk.Peak, activations: float, reference: float,
-                cluster: Cluster) -> dict[str, Any]:  # fmt: skip
+                cluster: Cluster, sharding: str) -> dict[str, Any]:  # fmt: skip
     """The bytes part of a stage's plan: states, activations, buffers, the peak and its moment."""
     counted = ("params", "grads", "optimizer", "activations")
     buffers = sum(v for k, v in moment.terms.items() if k not in counted)
@@ -61,7 +69,7 @@ def _memory_row(st: Stage, states: mem.States, moment: pk.Peak, activations: flo
             "params": round(states.params), "grads": round(states.grads),
             "optimizer": round(states.optimizer), "activations": round(activations),
             "buffers": round(buffers), "peak": round(peak),
-            "peak_reserved": round(peak * (1.0 if cluster.on_cpu else RESERVED_OVER_ALLOCATED)),
+            "peak_reserved": round(peak * reserved_over_allocated(sharding, cluster)),
         },
         "model_state_bytes_per_rank": round(states.total),
         "fits": peak <= cluster.gpu_mem_bytes,
@@ -83,7 +91,7 @@ def evaluate(
         st = stage_of(spec, layout.tp, i, groups, first, last)
         states = mem.model_states(st.psi, layout.dp_shard, sharding, d)
         moment, activations, reference = stage_peak(spec, sharding, layout, w, cluster, batch, d, st, states)
-        row = _memory_row(st, states, moment, activations, reference, cluster)
+        row = _memory_row(st, states, moment, activations, reference, cluster, sharding)
         if best is None or row["bytes_per_rank"]["peak"] > best["bytes_per_rank"]["peak"]:
             best = row
         total, timing = stage_time(spec, sharding, layout, w, cluster, batch, d, st)
