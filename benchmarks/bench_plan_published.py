@@ -87,7 +87,7 @@ TT_8B = ["--model", "llama3-8b", "--strategy", "fsdp", "--seq-len", "8192", "--a
 TT_405B = ["--model", "llama3-405b", "--strategy", "fsdp+tp+pp", "--tp", "8", "--pp", "8", "--dp-shard", "8",
            "--gpus", "512", "--batch-size", "256", "--seq-len", "8192", "--activation-checkpointing", "full",
            "--loss-parallel", "--precision", "bf16", "--reduce-fp32", "--fp8-all-gather", "--gpu-mem", "96GB",
-           "--compile", "--fp8"]  # fmt: skip
+           "--compile", "--fp8", "--pp-return-outputs"]  # fmt: skip
 """torchtitan's settings of these runs (torchtitan at 9dec370, Dec 2024): FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``mixed_precision_reduce`` default, hence
 ``--reduce-fp32``), loss parallelism with TP, Float8 linears with FSDP's float8 all-gather in the 405B

@@ -103,10 +103,15 @@ def _train(
         losses.append(float(loss) / n)
     held = torch.tensor([model_state_bytes(model, opt)])
     dist.all_reduce(held, op=dist.ReduceOp.SUM)
+    # a pipeline's stages after the step: the micro-batches' outputs torch's schedule would keep for step()'s
+    # return value (return_outputs=True) until the next step; the trainer asks for none
+    kept = torch.tensor([sum(len(st.output_chunks) for st in getattr(strat, "stages", ()))])
+    dist.all_reduce(kept, op=dist.ReduceOp.SUM)
     params = full_parameters(model)
     return {
         "losses": losses,
         "params": params,
+        "kept_outputs": int(kept),
         "topology": strat.topology.degrees(),
         "held": int(held),
         "seconds": time.perf_counter() - t0,
@@ -196,6 +201,7 @@ def test_model_parallel_matches_single_process(dist_run: Any, world: int, tmp_pa
         # that hold a copy: tp/pp/fsdp split it, replicas multiply it
         copies = res["topology"]["dp_replicate"] * (1 if "fsdp" in name else res["topology"]["dp_shard"])
         assert res["held"] == pytest.approx(16 * psi * copies, rel=0.02), label
+        assert res["kept_outputs"] == 0, label
 
 
 # ---- the trainer's path: worker.build_trainer -> parallelize -> Trainer.fit, evaluation included ---------------

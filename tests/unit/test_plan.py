@@ -960,15 +960,16 @@ def test_reduce_fp32_and_a_later_micro_batch_recomputing() -> None:
     assert rs32 == pytest.approx(2 * rs16, rel=1e-6) and rs16 > 0
 
 
-def test_pipeline_last_stage_keeps_every_micro_batch_output() -> None:
-    """torch's PipelineStage appends each micro-batch's logits to ``output_chunks`` on the last stage and keeps
-    them to the end of the step: at a later micro-batch's backward all m of them are live (interleaved 405B:
-    the last rank's peak)."""
+def test_pipeline_last_stage_keeps_every_micro_batch_output_only_when_asked() -> None:
+    """torch's ``schedule.step(return_outputs=True)`` (its default; torchtitan's runs: ``--pp-return-outputs``)
+    appends each micro-batch's logits to ``output_chunks`` on the last stage and keeps them to the end of the
+    step: at a later micro-batch's backward all m of them are live (interleaved 405B: the last rank's peak).
+    paratrain's pipeline passes ``return_outputs=False``: only the in-flight micro-batch's logits."""
     argv = ("--model", "llama3-405b", "--strategy", "fsdp+tp+pp", "--tp", "8", "--pp", "8", "--dp-shard", "8",
             "--gpus", "512", "--batch-size", "256", "--seq-len", "8192", "--activation-checkpointing", "full",
             "--loss-parallel", "--precision", "bf16", "--reduce-fp32", "--fp8-all-gather", "--gpu-mem", "96GB",
             "--pp-schedule", "interleaved-1f1b", "--microbatches", "16")  # fmt: skip
-    p = run_json(*argv)["plans"][0]
+    p = run_json(*argv, "--pp-return-outputs")["plans"][0]
     assert p["stage"] == 7 and p["peak_moment"]["phase"] == "a later micro-batch's backward starts"
     logits = 8192 * 2 * 128256 * 2 / 8  # micro-batch of 2 sequences, bf16, vocabulary-parallel
     inp = 8192 * 2 * 16384 * 2 / 8  # the residual stream (sequence-parallel), stage 7's in-flight output
@@ -976,6 +977,30 @@ def test_pipeline_last_stage_keeps_every_micro_batch_output() -> None:
     assert outputs == pytest.approx(
         16 * logits + inp * 4.5
     )  # (v-1)p + 1 = 9 chunks in flight: 4.5 stage units
+    own = run_json(*argv)["plans"][0]
+    # without the kept logits the last rank no longer sets the peak: the first rank's in-flight stages do
+    assert own["stage"] == 0 and own["bytes_per_rank"]["peak"] < p["bytes_per_rank"]["peak"]
+
+
+def test_pipeline_that_does_not_fit_is_advised_fewer_micro_batches_per_schedule_step() -> None:
+    """torch's PipelineStage allocates a receive buffer per micro-batch of a schedule step: a pipeline with
+    hundreds of micro-batches (Megatron-LM's 1T GPT: 512 per replica) does not fit 80 GB, and the plan names
+    the smallest split into accumulation steps that does, which the plan of that split confirms."""
+    base = ("--model", "gpt3-175b", "--set", "model.dim=25600", "model.n_layers=128", "model.n_heads=160",
+            "--cluster", "a100-nvlink-ib", "--gpus", "3072", "--batch-size", "3072", "--seq-len", "2048",
+            "--activation-checkpointing", "full", "--precision", "bf16", "--dp-replicate", "6", "--tp", "8",
+            "--pp", "64", "--pp-schedule", "interleaved-1f1b", "--no-sequence-parallel")  # fmt: skip
+    p = run_json(*base, "--microbatches", "512")["plans"][0]
+    assert not p["fits"] and p["peak_moment"]["terms"]["pipeline receive buffers"] > 80e9
+    fixes = [a for a in p["advice"] if "--microbatches" in a]
+    assert len(fixes) == 1
+    m, k = (int(x) for x in fixes[0].split("--microbatches ")[1].split(":")[0].split(" --grad-accum "))
+    assert m * k == 512 and k > 1
+    fixed = run_json(*base, "--microbatches", str(m), "--grad-accum", str(k))["plans"][0]
+    assert fixed["fits"] and f"peak {fixed['bytes_per_rank']['peak'] / 1e9:,.1f} GB" in fixes[0]
+    half = run_json(*base, "--microbatches", str(2 * m), "--grad-accum", str(k // 2))["plans"][0]
+    assert not half["fits"]  # the smallest split that fits
+    assert fixed["step_time_s"] > p["step_time_s"]  # one fill and drain per accumulation step
 
 
 def test_fp8_linears_and_compile_are_time_choices() -> None:

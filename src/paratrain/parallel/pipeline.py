@@ -278,11 +278,13 @@ class _Pipeline(ModelParallel):
         for mb in parts:
             losses: list[torch.Tensor] = []
             args = (mb.inputs,) if self.has_first else ()
+            # return_outputs=False: the losses are all the step needs, so the last stage does not keep every
+            # micro-batch's output (the logits) in output_chunks until the next step
             with self.loss_context(), precision.autocast():
                 if self.has_last:
-                    schedule.step(*args, target=mb.targets, losses=losses)
+                    schedule.step(*args, target=mb.targets, losses=losses, return_outputs=False)
                 else:
-                    schedule.step(*args)
+                    schedule.step(*args, return_outputs=False)
             for loss in losses:  # each already divided by m * micro_batches: the sum is the step's mean
                 total += to_local(loss.detach()).float()
         self._sum_tied_grads(model)

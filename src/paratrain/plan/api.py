@@ -257,7 +257,35 @@ def advice(
             out.append(
                 f"fits with {flag}: peak {peak / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f} ({why})"
             )
+    if layout.pp > 1 and (fewer := _fewer_microbatches(spec, strategy, sharding, layout, w, cluster)):
+        out.append(fewer)
     return out
+
+
+def _fewer_microbatches(
+    spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
+) -> str | None:
+    """A pipeline that does not fit, tried with its micro-batches run in k accumulation steps (``--microbatches
+    m/k --grad-accum k``: the same batch and micro-batch size) for the smallest k that fits. torch's
+    ``PipelineStage`` allocates a receive buffer per micro-batch of a schedule step (activations in, gradients
+    back) and 1F1B keeps up to ``pp`` in flight, so a step of fewer micro-batches holds fewer buffers; the
+    price is one pipeline fill and drain (a bubble) per accumulation step, which the step time shows."""
+    batch = batch_of(spec, layout, w, cluster.gpus)
+    for k in (2**i for i in range(1, 12)):
+        if batch.micro % k or batch.micro // k < layout.pp:
+            break
+        change = {"microbatches": batch.micro // k, "grad_accum": w.grad_accum * k}
+        try:
+            p = evaluate(spec, strategy, sharding, layout, replace(w, **change), cluster)
+        except ConfigError:
+            continue
+        if p["fits"]:
+            peak = p["bytes_per_rank"]["peak"]
+            return (f"fits with --microbatches {change['microbatches']} --grad-accum {change['grad_accum']}: peak "
+                    f"{peak / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f}, step {p['step_time_s']:,.3g} s (the "
+                    "pipeline allocates a receive buffer per micro-batch of a schedule step; accumulation steps "
+                    "reuse them, at one more fill and drain each)")  # fmt: skip
+    return None
 
 
 def with_defaults(w: Workload, cluster: Cluster, precision: str | None) -> Workload:

@@ -394,7 +394,7 @@ def workload_from(args: argparse.Namespace, c: cl.Cluster, req: Request | None =
         loss_parallel=cfg.strategy.loss_parallel, pp_schedule=cfg.strategy.pp_schedule,
         bucket_cap_mb=cfg.strategy.bucket_cap_mb, gradient_as_bucket_view=cfg.strategy.gradient_as_bucket_view,
         reduce_fp32=args.reduce_fp32, fp8_all_gather=args.fp8_all_gather, compile_loss=args.compile_loss,
-        shard_accumulated_grads=cfg.strategy.shard_accumulated_grads,
+        pp_return_outputs=args.pp_return_outputs, shard_accumulated_grads=cfg.strategy.shard_accumulated_grads,
         fp8=args.fp8, compile=cfg.train.compile,
     )  # fmt: skip
 

@@ -34,6 +34,10 @@ class PlanConfig:
     """The cross-entropy compiled (torchtitan with --compile since April 2025; paratrain compiles the blocks
     only): the logits kept in the compute dtype and one gradient of them, not fp32 log-probabilities and two
     fp32 gradients; memory only."""
+    pp_return_outputs: bool = option(False)
+    """Pipelines: the last stage keeps every micro-batch's output (the logits) until the next step, as torch's
+    schedule.step does by default (return_outputs=True; torchtitan's runs); paratrain's train does not keep
+    them."""
     moe_overload: float = option(1.0)
     """MoE: routed rows on the busiest rank over the mean (activations)."""
     cluster: str | None = option(None)

@@ -85,6 +85,10 @@ class Workload:
     """The cross-entropy under ``torch.compile`` (torchtitan compiles it with ``--compile`` since April 2025;
     paratrain's ``--compile`` compiles the blocks only): one fused kernel keeps the logits in the compute dtype
     and writes one gradient of them, instead of the fp32 log-probabilities and two fp32 gradients."""
+    pp_return_outputs: bool = False
+    """Pipelines: the last stage keeps every micro-batch's output, the logits, in ``output_chunks`` until the
+    next step (torch's ``schedule.step(return_outputs=True)``, its default, as torchtitan calls it; the
+    planner's ``--pp-return-outputs``). paratrain's pipeline passes ``return_outputs=False``."""
     shard_accumulated_grads: bool = False
     """FSDP without a pipeline, ``grad_accum`` > 1: reduce-scatter on every accumulation micro-step and hold one
     gradient shard (train's ``--shard-accumulated-grads``) instead of the whole unsharded gradients."""
@@ -192,10 +196,11 @@ def _stage_outputs(
 
     Every local stage keeps the output of each in-flight micro-batch in its ``fwd_cache`` until that micro-batch's
     backward (the residual stream for a stage that is not the last; under full checkpointing no layer of the stage
-    saves its own last output). The last stage also appends every micro-batch's output, the logits, to
-    ``output_chunks`` to merge them for ``step()``'s return value: they stay until the next step's
-    ``clear_runtime_states``, through the optimizer step (``schedules.py``: ``return_outputs=True``, which
-    paratrain's pipeline and torchtitan keep; the loss's log-softmax is a separate fp32 tensor)."""
+    saves its own last output); on the last stage that output is the logits. With ``return_outputs=True``
+    (:attr:`Workload.pp_return_outputs`: torch's default, torchtitan's runs) the last stage also appends every
+    micro-batch's logits to ``output_chunks`` to merge them for ``step()``'s return value: they stay until the
+    next step's ``clear_runtime_states``, through the optimizer step. paratrain's pipeline passes
+    ``return_outputs=False`` and keeps none (the loss's log-softmax is a separate fp32 tensor either way)."""
     if layout.pp == 1 or spec.shape is None:
         return 0.0, 0.0, 0.0
     p, m = layout.pp, batch.micro
@@ -207,6 +212,8 @@ def _stage_outputs(
     lp = w.loss_parallel and layout.tp > 1
     logits = batch.seq_len * batch.size * spec.shape.vocab_size * d.activation / (layout.tp if lp else 1)
     first_logits = (m if w.pp_schedule == "gpipe" else 1) * logits if holds_last else 0.0
+    if not w.pp_return_outputs:  # only the in-flight micro-batches' logits, in fwd_cache until their backward
+        return k * not_last * inp + first_logits, later_k * not_last * inp + first_logits, 0.0
     kept = m * logits if holds_last else 0.0
     return k * not_last * inp + first_logits, later_k * not_last * inp + kept, kept
 
