@@ -248,15 +248,8 @@ def advice(
             sharding == "full" and layout.pp == 1 and w.grad_accum > 1
         ):
             continue
-        try:
-            p = evaluate(spec, strategy, sharding, layout, replace(w, **change), cluster)
-        except ConfigError:
-            continue
-        if p["fits"]:
-            peak = p["bytes_per_rank"]["peak"]
-            out.append(
-                f"fits with {flag}: peak {peak / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f} ({why})"
-            )
+        if p := _fitting(spec, strategy, sharding, layout, replace(w, **change), cluster):
+            out.append(f"fits with {flag}: {_peak_of(p, cluster)} ({why})")
     if layout.pp > 1 and (fewer := _fewer_microbatches(spec, strategy, sharding, layout, w, cluster)):
         out.append(fewer)
     return out
@@ -275,17 +268,27 @@ def _fewer_microbatches(
         if batch.micro % k or batch.micro // k < layout.pp:
             break
         change = {"microbatches": batch.micro // k, "grad_accum": w.grad_accum * k}
-        try:
-            p = evaluate(spec, strategy, sharding, layout, replace(w, **change), cluster)
-        except ConfigError:
-            continue
-        if p["fits"]:
-            peak = p["bytes_per_rank"]["peak"]
-            return (f"fits with --microbatches {change['microbatches']} --grad-accum {change['grad_accum']}: peak "
-                    f"{peak / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f}, step {p['step_time_s']:,.3g} s (the "
-                    "pipeline allocates a receive buffer per micro-batch of a schedule step; accumulation steps "
-                    "reuse them, at one more fill and drain each)")  # fmt: skip
+        if p := _fitting(spec, strategy, sharding, layout, replace(w, **change), cluster):
+            return (f"fits with --microbatches {change['microbatches']} --grad-accum {change['grad_accum']}: "
+                    f"{_peak_of(p, cluster)}, step {p['step_time_s']:,.3g} s (the pipeline allocates a receive "
+                    "buffer per micro-batch of a schedule step; accumulation steps reuse them, at one more fill "
+                    "and drain each)")  # fmt: skip
     return None
+
+
+def _fitting(
+    spec: ModelSpec, strategy: str, sharding: str, layout: Layout, w: Workload, cluster: Cluster
+) -> dict[str, Any] | None:
+    """The plan of ``w`` when it is valid and fits, else None."""
+    try:
+        p = evaluate(spec, strategy, sharding, layout, w, cluster)
+    except ConfigError:
+        return None
+    return p if p["fits"] else None
+
+
+def _peak_of(p: dict[str, Any], cluster: Cluster) -> str:
+    return f"peak {p['bytes_per_rank']['peak'] / 1e9:,.1f} GB of {cluster.gpu_mem_bytes / 1e9:,.0f}"
 
 
 def with_defaults(w: Workload, cluster: Cluster, precision: str | None) -> Workload:
