@@ -23,8 +23,10 @@ from paratrain.config import (
     RunConfig,
     add_arguments,
     add_command_arguments,
+    add_set_argument,
     apply_arguments,
     command_config,
+    set_values,
 )
 from paratrain.errors import ConfigError
 from paratrain.tables import Col, key_values, table
@@ -35,7 +37,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from paratrain.launch import resolve
 
     cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
-    cfg = apply_arguments(cfg, args, TRAIN).override(list(args.set))
+    cfg = apply_arguments(cfg, args, TRAIN).override(set_values(args))
     if cfg.strategy.name == "single" and cfg.launch.nproc_per_node is None:
         cfg.launch.nproc_per_node = 1
     cfg.launch = resolve(cfg.launch)  # inside a multi-node Slurm allocation: nodes, endpoint, id
@@ -246,8 +248,7 @@ def _train(p: argparse.ArgumentParser) -> None:
         "--config", help="TOML file with [model], [data], [strategy], [optimizer], [train], ... tables"
     )
     add_arguments(p, TRAIN)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="set any config field, e.g. --set optimizer.weight_decay=0.01 (repeatable)")  # fmt: skip
+    add_set_argument(p)
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object (last line)")
     p.set_defaults(func=cmd_train)
 

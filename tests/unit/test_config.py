@@ -152,3 +152,19 @@ def test_single_strategy_refuses_several_processes() -> None:
 def test_bad_nnodes(nnodes: str) -> None:
     with pytest.raises(ConfigError, match="launch.nnodes"):
         RunConfig().override([f"launch.nnodes={nnodes}"])
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_set_takes_several_values_per_flag_in_train_and_plan(command: str) -> None:
+    """``--set a=1 b=2 --set c=3``: every item applies, in train as in plan (a plan command line is a train
+    one with the command swapped)."""
+    from paratrain.cli import build_config, make_parser
+    from paratrain.config import set_values
+
+    argv = [command, "--model", "llama-debug", "--set", "model.dim=48", "model.n_layers=3", "--set",
+            "optimizer.lr=0.02", "--batch-size", "4"]  # fmt: skip
+    args = make_parser(argv).parse_args(argv)
+    assert set_values(args) == ["model.dim=48", "model.n_layers=3", "optimizer.lr=0.02"]
+    if command == "train":
+        cfg = build_config(args)
+        assert (cfg.model.dim, cfg.model.n_layers, cfg.optimizer.lr, cfg.train.batch_size) == (48, 3, 0.02, 4)

@@ -30,7 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paratrain.config import TRAIN, RunConfig, add_command_arguments, apply_arguments, command_config, option
+from paratrain.config import (
+    TRAIN,
+    RunConfig,
+    add_command_arguments,
+    add_set_argument,
+    apply_arguments,
+    command_config,
+    option,
+    set_values,
+)
 from paratrain.config import add_arguments as add_config_arguments
 from paratrain.errors import ConfigError
 from paratrain.tables import Col, table
@@ -63,8 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_command_arguments(parser, BenchScalingConfig)
     parser.add_argument("--json", action="store_true", help="print one JSON object (one row per world size)")
     parser.add_argument("--config", help="TOML file with the run's [model], [train], ... tables")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="set any config field (repeatable), as for paratrain train")  # fmt: skip
+    add_set_argument(parser)
     add_config_arguments(parser, TRAIN)
 
 
@@ -100,7 +108,7 @@ def build_configs(args: argparse.Namespace) -> tuple[list[tuple[int, RunConfig]]
         base.train.steps = None
     base.checkpoint.save_at_end = False  # the runs measure training, not checkpoints
     base.checkpoint.resume = "never"
-    base = apply_arguments(base, args, TRAIN).override(list(args.set))
+    base = apply_arguments(base, args, TRAIN).override(set_values(args))
     base.train.progress = False
     device = base.launch.device
     devices = gpu_count() if device != "cpu" else 0

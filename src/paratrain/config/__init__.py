@@ -20,12 +20,14 @@ from paratrain.config.cli import (
     CliOption,
     add_arguments,
     add_command_arguments,
+    add_set_argument,
     apply_arguments,
     cli_options,
     command_config,
     command_options,
     field_docs,
     iter_options,
+    set_values,
 )
 from paratrain.config.commands import GenerateConfig
 from paratrain.config.convert import convert
@@ -75,6 +77,7 @@ __all__ = [
     "ac_policy",
     "add_arguments",
     "add_command_arguments",
+    "add_set_argument",
     "apply_arguments",
     "choice",
     "cli_options",
@@ -84,4 +87,5 @@ __all__ = [
     "field_docs",
     "iter_options",
     "option",
+    "set_values",
 ]

@@ -164,6 +164,24 @@ def apply_arguments(cfg: RunConfig, args: argparse.Namespace, scope: str) -> Run
     return RunConfig.from_dict(data, source="command line")
 
 
+def add_set_argument(
+    parser: argparse.ArgumentParser, example: str = "--set optimizer.weight_decay=0.01"
+) -> None:
+    """``--set SECTION.KEY=VALUE ...``: any config field, several per flag, the flag repeatable (train, plan and
+    bench scaling take it alike)."""
+    parser.add_argument("--set", action="append", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
+                        help=f"set any config field, e.g. {example} (several per flag; repeatable)")  # fmt: skip
+
+
+def set_values(args: argparse.Namespace) -> list[str]:
+    """The ``SECTION.KEY=VALUE`` items of every ``--set`` flag, in order."""
+    return [
+        x
+        for group in (getattr(args, "set", None) or [])
+        for x in (group if isinstance(group, list) else [group])
+    ]
+
+
 def iter_options(scope: str) -> Iterator[str]:
     """Flag names of ``scope`` (for docs and tests)."""
     for o in cli_options(scope):

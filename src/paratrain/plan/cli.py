@@ -15,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from paratrain.config import TRAIN, RunConfig, add_command_arguments, cli_options, command_config
+from paratrain.config import (
+    TRAIN,
+    RunConfig,
+    add_command_arguments,
+    add_set_argument,
+    cli_options,
+    command_config,
+    set_values,
+)
 from paratrain.config import add_arguments as add_config_arguments
 from paratrain.config import apply_arguments as apply_config_arguments
 from paratrain.errors import ConfigError, suggest
@@ -50,9 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--config", help="TOML file with [model], [data], [strategy], [optimizer], [train], ... tables"
     )
     add_config_arguments(p, TRAIN)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="set any config field, as train takes it: --set model.dim=8192 model.n_layers=80 "
-                   "(several per flag; repeatable)", nargs="+")  # fmt: skip
+    add_set_argument(p, "--set model.dim=8192 model.n_layers=80, as train takes it")
     add_command_arguments(p, PlanConfig)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -90,11 +96,7 @@ def request_from(args: argparse.Namespace) -> Request:
         }
     cfg = apply_config_arguments(cfg, args, TRAIN)
     given |= {f"{o.section}.{o.key}" for o in cli_options(TRAIN) if getattr(args, o.dest, None) is not None}
-    sets = [
-        x
-        for group in (getattr(args, "set", None) or [])
-        for x in (group if isinstance(group, list) else [group])
-    ]
+    sets = set_values(args)
     if sets:
         cfg = cfg.override(sets)
         given |= {x.split("=", 1)[0].strip() for x in sets}
