@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -126,8 +127,30 @@ RoPE, SiLU, products, casts, K/V repeats) is recomputed in backward. Attention a
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
+def _passing_profiler_ops(mode: type) -> type:
+    """``mode`` (one of torch's two selective-checkpointing dispatch modes) with the profiler's record_function
+    ops run as they come, outside its bookkeeping. The recomputation must meet every other op of the forward in
+    the same order and number, but record_function spans need not: FSDP2 wraps its hooks in them, and a module
+    sharded inside a checkpointed block (``fsdp+ep``'s experts) opens a different number of them while
+    recomputing, in backward, than in forward (torch then stops with "profiler._record_function_enter_new ...
+    encountered during backward but not found in storage")."""
+
+    class Mode(mode):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in _PROFILER_OPS:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    Mode.__name__ = Mode.__qualname__ = f"Profiled{mode.__name__}"
+    return Mode
+
+
+_PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default,
+                 torch.ops.profiler._record_function_exit._RecordFunction}  # fmt: skip
+
+
 def _selective_contexts(block: nn.Module) -> tuple[Any, Any]:
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy
 
     count = {"forward": 0, "recompute": 0}  # one per block call: the recompute must take the same decisions
 
@@ -139,8 +162,20 @@ def _selective_contexts(block: nn.Module) -> tuple[Any, Any]:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    forward, recompute = create_selective_checkpoint_contexts(policy)
+    # torch's create_selective_checkpoint_contexts(policy), with the profiler's spans passed through
+    storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+    forward = _CACHING(policy, storage)
+    recompute = _CACHED(None, storage)
     return forward, _Both(recompute, _KeepBatchNormStats(block))
+
+
+def _modes() -> tuple[type, type]:
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    return _passing_profiler_ops(_CachingTorchDispatchMode), _passing_profiler_ops(_CachedTorchDispatchMode)
+
+
+_CACHING, _CACHED = _modes()
 
 
 class _Both:
