@@ -86,16 +86,27 @@ MOE = ["model.name=llama-moe-debug", "data.name=python-stdlib", "data.max_bytes=
        "train.steps=3", "train.batch_size=8", "optimizer.lr=0.01"]  # fmt: skip
 
 
+EXPERT_CASES = {
+    2: [("ep", []), ("fsdp+ep", [])],
+    4: [
+        ("fsdp+ep+pp", ["strategy.pp=2", "strategy.ep=2"]),
+        ("fsdp+tp+ep", ["strategy.tp=2", "strategy.ep=2"]),
+    ],
+}
+
+
 @pytest.mark.timeout(300)
-def test_selective_checkpointing_equals_none_under_expert_parallelism(dist_run: Any, tmp_path: Path) -> None:
-    """An MoE model under ``ep`` and ``fsdp+ep``: the experts' own FSDP unit sits inside the checkpointed block,
-    and its hooks open a different number of profiler spans while recomputing than in forward; selective
-    checkpointing must still train like none (it stopped in backward before)."""
-    strategies = ("ep", "fsdp+ep")
-    cases = [[*MOE, f"strategy.name={s}", f"train.activation_checkpointing={ac}"] for s in strategies
-             for ac in ("none", "selective")]  # fmt: skip
-    results = dist_run(_fit, 2, cases, str(tmp_path), timeout_s=280)[0]
-    for i, s in enumerate(strategies):
+@pytest.mark.parametrize("world", [2, 4])
+def test_selective_checkpointing_equals_none_under_expert_parallelism(
+    dist_run: Any, tmp_path: Path, world: int
+) -> None:
+    """An MoE model under the expert-parallel strategies: the experts' own FSDP unit sits inside the checkpointed
+    block, and its hooks run other ops (profiler spans, the parameter gather's copies) while recomputing than
+    in forward; selective checkpointing must still train like none (it stopped in backward before)."""
+    cases = [[*MOE, f"strategy.name={s}", *extra, f"train.activation_checkpointing={ac}"]
+             for s, extra in EXPERT_CASES[world] for ac in ("none", "selective")]  # fmt: skip
+    results = dist_run(_fit, world, cases, str(tmp_path), timeout_s=280)[0]
+    for i, (s, _) in enumerate(EXPERT_CASES[world]):
         ref, got = results[2 * i], results[2 * i + 1]
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-5), s
         for name, want in ref["params"].items():

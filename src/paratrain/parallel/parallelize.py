@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -137,7 +138,7 @@ def _passing_profiler_ops(mode: type) -> type:
 
     class Mode(mode):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in _PROFILER_OPS:
+            if func in _PROFILER_OPS or _FSDP_HOOKS.depth:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -147,6 +148,52 @@ def _passing_profiler_ops(mode: type) -> type:
 
 _PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default,
                  torch.ops.profiler._record_function_exit._RecordFunction}  # fmt: skip
+
+
+class _HookDepth(threading.local):
+    depth = 0
+
+
+_FSDP_HOOKS = _HookDepth()
+"""How many FSDP2 forward hooks of a module inside a checkpointed block this thread is running
+(:func:`shield_fsdp_hooks`): their ops bypass selective checkpointing's bookkeeping."""
+
+
+def shield_fsdp_hooks(*roots: nn.Module) -> int:
+    """Run the forward hooks of every FSDP2 module inside a checkpointed block outside selective checkpointing's
+    bookkeeping; returns how many modules were shielded.
+
+    FSDP2's pre-forward gathers a unit's parameters (or finds them gathered by a prefetch) and its post-forward
+    frees them; recomputing in backward, the same hooks take another path (the gather happens there, with its
+    copies). A unit nested inside a checkpointed block (``fsdp+ep``'s experts, sharded over their own mesh)
+    therefore runs different ops while recomputing than in forward, and torch's selective checkpointing, which
+    must meet the forward's ops again in order, stops ("aten.copy_.default encountered during backward but not
+    found in storage"). The hooks only move parameters: their ops need no caching and are run as they come;
+    the unit's own computation stays under the policy."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    def enter(*_: Any) -> None:
+        _FSDP_HOOKS.depth += 1
+
+    def leave(*_: Any) -> None:
+        _FSDP_HOOKS.depth -= 1
+
+    shielded = 0
+    for root in roots:
+        for wrapper in root.modules():
+            if not isinstance(wrapper, CheckpointWrapper):
+                continue
+            inner: nn.Module = wrapper._checkpoint_wrapped_module
+            for m in inner.modules():
+                if isinstance(m, FSDPModule) and not getattr(m, "_paratrain_shielded", False):
+                    m.register_forward_pre_hook(enter, prepend=True)  # before FSDP's pre-forward
+                    m.register_forward_pre_hook(leave)  # after it
+                    m.register_forward_hook(enter, prepend=True)  # before FSDP's post-forward
+                    m.register_forward_hook(leave)
+                    setattr(m, "_paratrain_shielded", True)  # noqa: B010
+                    shielded += 1
+    return shielded
 
 
 def _selective_contexts(block: nn.Module) -> tuple[Any, Any]:
@@ -256,11 +303,15 @@ def parallelize(
     ):  # FSDP2 shards the meta model, then each rank fills its shard
         model, _ = strategy.wrap(model, None)
         materialize_deferred(model, strategy.ctx.device)
-        return model, optimizer_factory(model)
-    if deferred:  # the replicas (or this rank's tp slices, pipeline stages) are allocated and read here
-        materialize_deferred(model, strategy.ctx.device)
-    optimizer = optimizer_factory(model)
-    return strategy.wrap(model, optimizer)
+        wrapped = model, optimizer_factory(model)
+    else:
+        if deferred:  # the replicas (or this rank's tp slices, pipeline stages) are allocated and read here
+            materialize_deferred(model, strategy.ctx.device)
+        optimizer = optimizer_factory(model)
+        wrapped = strategy.wrap(model, optimizer)
+    if ac_policy(t.activation_checkpointing)[0] == "selective":
+        shield_fsdp_hooks(wrapped[0], *getattr(strategy, "chunks", ()))
+    return wrapped
 
 
 def materialize_deferred(model: nn.Module, device: torch.device) -> None:
