@@ -111,3 +111,25 @@ def test_selective_checkpointing_equals_none_under_expert_parallelism(
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-5), s
         for name, want in ref["params"].items():
             torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-5, msg=s)
+
+
+@pytest.mark.timeout(300)
+def test_checkpointing_under_compile_trains_like_eager(tmp_path: Path) -> None:
+    """``--compile`` with ``--activation-checkpointing full`` and ``selective`` (torch.compile accepts a
+    checkpoint's contexts only as two dispatch modes; both runs stopped while compiling before): the same
+    training as the eager run without checkpointing, on one process."""
+    from paratrain.runtime import init
+    from paratrain.train.trainer import full_parameters
+    from paratrain.train.worker import build_trainer
+
+    runs = {}
+    for ac, compiled in (("none", "false"), ("full", "true"), ("selective", "true")):
+        cfg = make_cfg(*LM, "model.n_layers=2", "strategy.name=single", "train.steps=2", f"train.compile={compiled}",
+                       f"train.activation_checkpointing={ac}")  # fmt: skip
+        trainer = build_trainer(cfg, init(device="cpu", seed=0), tmp_path / ac)
+        res = trainer.fit()
+        runs[ac] = (res.losses, full_parameters(trainer.model))
+    for ac in ("full", "selective"):
+        assert runs[ac][0] == pytest.approx(runs["none"][0], rel=1e-4), ac
+        for name, want in runs["none"][1].items():
+            torch.testing.assert_close(runs[ac][1][name], want, rtol=1e-4, atol=1e-4, msg=ac)

@@ -213,7 +213,13 @@ def _selective_contexts(block: nn.Module) -> tuple[Any, Any]:
     storage: dict[Any, dict[int, Any]] = defaultdict(dict)
     forward = _CACHING(policy, storage)
     recompute = _CACHED(None, storage)
+    if not _has_batchnorm(block):  # two dispatch modes, as torch.compile requires of a checkpoint's contexts
+        return forward, recompute
     return forward, _Both(recompute, _KeepBatchNormStats(block))
+
+
+def _has_batchnorm(block: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in block.modules())
 
 
 def _modes() -> tuple[type, type]:
@@ -252,6 +258,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str | bool = "full") 
         seen[0] += 1
         if kind == "every" and seen[0] % every:
             return block
+        if contexts is _contexts and not _has_batchnorm(block):  # plain recomputation: torch's own contexts
+            return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                   context_fn=functools.partial(contexts, block))  # fmt: skip
 
@@ -295,6 +303,12 @@ def parallelize(
             log.info("activation checkpointing: %d blocks recompute their activations in backward (%s)",
                      n, t.activation_checkpointing)  # fmt: skip
     if t.compile:
+        if ac_policy(t.activation_checkpointing)[0] != "none" and count_batchnorm(model):
+            raise ConfigError(
+                "--compile with --activation-checkpointing on a model with BatchNorm: the recomputation must "
+                "restore BatchNorm's running statistics, which a compiled checkpoint cannot do. Drop --compile "
+                "or --activation-checkpointing."
+            )
         n = apply_compile(model)
         if log is not None:
             log.info("torch.compile: %d module(s) compiled", n)
