@@ -133,3 +133,14 @@ def test_checkpointing_under_compile_trains_like_eager(tmp_path: Path) -> None:
         assert runs[ac][0] == pytest.approx(runs["none"][0], rel=1e-4), ac
         for name, want in runs["none"][1].items():
             torch.testing.assert_close(runs[ac][1][name], want, rtol=1e-4, atol=1e-4, msg=ac)
+
+
+@pytest.mark.timeout(300)
+def test_compile_under_expert_parallelism_trains_like_eager(dist_run: Any, tmp_path: Path) -> None:
+    """``--compile`` under ``ep``: the expert dispatch (a data-dependent all-to-all over a process group) runs
+    eagerly between the compiled parts (Dynamo stopped on it before); the run trains like the eager one."""
+    cases = [[*MOE, "strategy.name=ep", f"train.compile={c}"] for c in ("false", "true")]
+    eager, compiled = dist_run(_fit, 2, cases, str(tmp_path), timeout_s=280)[0]
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    for name, want in eager["params"].items():
+        torch.testing.assert_close(compiled["params"][name], want, rtol=1e-4, atol=1e-4, msg=name)

@@ -99,6 +99,9 @@ class ExpertDispatch:
         """Bytes of token rows this rank sent to other ranks in forward passes (dispatch + combine); backward
         sends the same again."""
 
+    # Run eagerly under --compile: the exchange of row counts is data-dependent (Python lists of sizes), and
+    # Dynamo cannot trace paratrain's all-to-all over a process group ("unregistered member on an OpaqueObject").
+    @torch.compiler.disable
     def __call__(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep = self.ep
         n_local = counts.numel() // ep
