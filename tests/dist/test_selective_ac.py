@@ -113,11 +113,9 @@ def test_selective_checkpointing_equals_none_under_expert_parallelism(
             torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-5, msg=s)
 
 
-@pytest.mark.timeout(300)
-def test_checkpointing_under_compile_trains_like_eager(tmp_path: Path) -> None:
-    """``--compile`` with ``--activation-checkpointing full`` and ``selective`` (torch.compile accepts a
-    checkpoint's contexts only as two dispatch modes; both runs stopped while compiling before): the same
-    training as the eager run without checkpointing, on one process."""
+def _compiled_runs(root: str) -> dict[str, Any]:
+    """Eager none, compiled full and compiled selective through the worker's path, in a process of its own
+    (inductor raises the interpreter's recursion limit for good)."""
     from paratrain.runtime import init
     from paratrain.train.trainer import full_parameters
     from paratrain.train.worker import build_trainer
@@ -126,13 +124,22 @@ def test_checkpointing_under_compile_trains_like_eager(tmp_path: Path) -> None:
     for ac, compiled in (("none", "false"), ("full", "true"), ("selective", "true")):
         cfg = make_cfg(*LM, "model.n_layers=2", "strategy.name=single", "train.steps=2", f"train.compile={compiled}",
                        f"train.activation_checkpointing={ac}")  # fmt: skip
-        trainer = build_trainer(cfg, init(device="cpu", seed=0), tmp_path / ac)
+        trainer = build_trainer(cfg, init(device="cpu", seed=0), Path(root) / ac)
         res = trainer.fit()
-        runs[ac] = (res.losses, full_parameters(trainer.model))
+        runs[ac] = {"losses": res.losses, "params": full_parameters(trainer.model)}
+    return runs
+
+
+@pytest.mark.timeout(300)
+def test_checkpointing_under_compile_trains_like_eager(dist_run: Any, tmp_path: Path) -> None:
+    """``--compile`` with ``--activation-checkpointing full`` and ``selective`` (torch.compile accepts a
+    checkpoint's contexts only as two dispatch modes; both runs stopped while compiling before): the same
+    training as the eager run without checkpointing, on one process."""
+    runs = dist_run(_compiled_runs, 1, str(tmp_path), timeout_s=280)[0]
     for ac in ("full", "selective"):
-        assert runs[ac][0] == pytest.approx(runs["none"][0], rel=1e-4), ac
-        for name, want in runs["none"][1].items():
-            torch.testing.assert_close(runs[ac][1][name], want, rtol=1e-4, atol=1e-4, msg=ac)
+        assert runs[ac]["losses"] == pytest.approx(runs["none"]["losses"], rel=1e-4), ac
+        for name, want in runs["none"]["params"].items():
+            torch.testing.assert_close(runs[ac]["params"][name], want, rtol=1e-4, atol=1e-4, msg=ac)
 
 
 @pytest.mark.timeout(300)
