@@ -128,13 +128,14 @@ RoPE, SiLU, products, casts, K/V repeats) is recomputed in backward. Attention a
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def _passing_profiler_ops(mode: type) -> type:
-    """``mode`` (one of torch's two selective-checkpointing dispatch modes) with the profiler's record_function
-    ops run as they come, outside its bookkeeping. The recomputation must meet every other op of the forward in
-    the same order and number, but record_function spans need not: FSDP2 wraps its hooks in them, and a module
-    sharded inside a checkpointed block (``fsdp+ep``'s experts) opens a different number of them while
-    recomputing, in backward, than in forward (torch then stops with "profiler._record_function_enter_new ...
-    encountered during backward but not found in storage")."""
+def _passing_through(mode: type) -> type:
+    """``mode`` (one of torch's two selective-checkpointing dispatch modes) with two kinds of op run as they
+    come, outside its bookkeeping: the profiler's record_function spans, and every op of an FSDP2 hook that
+    :func:`shield_fsdp_hooks` shields. The recomputation must meet every other op of the forward in the same
+    order and number; these need not, and do not: a module sharded inside a checkpointed block (``fsdp+ep``'s
+    experts) opens a different number of spans, and gathers its parameters by another path, while recomputing
+    in backward than in forward (torch then stops with "... encountered during backward but not found in
+    storage")."""
 
     class Mode(mode):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -142,7 +143,7 @@ def _passing_profiler_ops(mode: type) -> type:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    Mode.__name__ = Mode.__qualname__ = f"Profiled{mode.__name__}"
+    Mode.__name__ = Mode.__qualname__ = f"PassingThrough{mode.__name__}"
     return Mode
 
 
@@ -209,7 +210,7 @@ def _selective_contexts(block: nn.Module) -> tuple[Any, Any]:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    # torch's create_selective_checkpoint_contexts(policy), with the profiler's spans passed through
+    # torch's create_selective_checkpoint_contexts(policy), with profiler spans and FSDP hooks passed through
     storage: dict[Any, dict[int, Any]] = defaultdict(dict)
     forward = _CACHING(policy, storage)
     recompute = _CACHED(None, storage)
@@ -225,7 +226,7 @@ def _has_batchnorm(block: nn.Module) -> bool:
 def _modes() -> tuple[type, type]:
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-    return _passing_profiler_ops(_CachingTorchDispatchMode), _passing_profiler_ops(_CachedTorchDispatchMode)
+    return _passing_through(_CachingTorchDispatchMode), _passing_through(_CachedTorchDispatchMode)
 
 
 _CACHING, _CACHED = _modes()
